@@ -74,11 +74,11 @@ def load_config(model_dir):
     if raw.get("rope_scaling") or (raw.get("rope_parameters") or {}).get("rope_type", "default") != "default":
         raise UserError(f"{path} asks for RoPE scaling, which this script does not implement")
     values = {}
-    for name, kind in Config.__annotations__.items():
+    for name, kind in Config.__annotations__.items():  # kind: int, float or bool
         if raw.get(name) is None:
             raise UserError(f"{path} lacks the required key {name!r}")
         try:
-            values[name] = {"int": int, "float": float, "bool": bool}[kind](raw[name])
+            values[name] = kind(raw[name])
         except (TypeError, ValueError):
             raise UserError(f"{path}: {name!r} should be a number, got {raw[name]!r}")
     return Config(**values)
@@ -213,7 +213,7 @@ def apply_rope(x, offset, theta, fused=True):
     if fused:  # one kernel computing exactly the lines below (see tests/test_ops.py)
         return mx.fast.rope(x, head_dim, traditional=False, base=theta, scale=1.0, offset=offset)
     inv_freq = theta ** (-mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)  # (64,)
-    positions = mx.arange(offset, offset + x.shape[-2], dtype=mx.float32)  # (seq,)
+    positions = (offset + mx.arange(x.shape[-2])).astype(mx.float32)  # (seq,); offset may be an mx.array
     angles = positions[:, None] * inv_freq[None, :]  # (seq, 64)
     cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
     x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2 :]
@@ -257,21 +257,37 @@ def reserve_cache(cache, config, n_new, dtype):
         cache.values = [mx.concatenate([v, mx.zeros(shape, dtype)], axis=1) for v in cache.values]
 
 
+# Speed: decoding one token runs ~40 small operations per layer, each far too small to keep a GPU busy,
+# so their fixed cost (Python building the graph, one kernel launch each) is what limits tokens per second.
+# mx.compile traces a function once per input shape and afterwards replays it as one call, fusing
+# element-wise operations into single kernels. We compile the two pieces of a block that do not touch the
+# cache: qkv_heads (below) and swiglu (section 7). Arguments must be arrays or plain numbers, hence the
+# explicit parameters; the result is the same as running the functions directly (tests check both).
+
+@mx.compile
+def qkv_heads(x, q_proj, k_proj, v_proj, q_norm, k_norm, offset, n_heads, n_kv_heads, eps, theta, fused=True):
+    """Queries (heads, seq, head_dim) and keys, values (kv_heads, seq, head_dim) for x (seq, 1024)."""
+    seq, head_dim = x.shape[0], q_norm.shape[0]
+    # Project, then split the last axis into heads and put the head axis first.
+    q = (x @ q_proj.T).reshape(seq, n_heads, head_dim).swapaxes(0, 1)  # (16, seq, 128)
+    k = (x @ k_proj.T).reshape(seq, n_kv_heads, head_dim).swapaxes(0, 1)  # (8, seq, 128)
+    v = (x @ v_proj.T).reshape(seq, n_kv_heads, head_dim).swapaxes(0, 1)  # (8, seq, 128)
+    # QK-norm (new in Qwen3): RMS-normalise each head's query and key so their dot products cannot blow up.
+    # It comes *before* RoPE: the learned per-channel gain must see channels in a fixed frame, and the
+    # rotation then mixes channel pairs by position (normalising after would undo nothing but break that).
+    q = apply_rope(rms_norm(q, q_norm, eps, fused), offset, theta, fused)
+    k = apply_rope(rms_norm(k, k_norm, eps, fused), offset, theta, fused)
+    return q, k, v
+
+
 def attention(x, weights, layer, config, cache, fused=True):
     """Self-attention of layer `layer` for x (seq, 1024) at positions cache.offset ... offset + seq - 1."""
     c, p = config, f"model.layers.{layer}.self_attn."
     seq, offset = x.shape[0], cache.offset
-    # Project to per-head queries, keys and values; put the head axis first: (heads, seq, head_dim).
-    q = (x @ weights[p + "q_proj.weight"].T).reshape(seq, c.num_attention_heads, c.head_dim).swapaxes(0, 1)
-    k = (x @ weights[p + "k_proj.weight"].T).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
-    v = (x @ weights[p + "v_proj.weight"].T).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
-    # QK-norm (new in Qwen3): RMS-normalise each head's query and key so their dot products cannot blow up.
-    # It comes *before* RoPE: normalising a rotated vector would be fine too, but the learned per-channel
-    # gain must see channels in a fixed frame; RoPE then mixes channel pairs by position.
-    q = rms_norm(q, weights[p + "q_norm.weight"], c.rms_norm_eps, fused)
-    k = rms_norm(k, weights[p + "k_norm.weight"], c.rms_norm_eps, fused)
-    q = apply_rope(q, offset, c.rope_theta, fused)  # (16, seq, 128)
-    k = apply_rope(k, offset, c.rope_theta, fused)  # (8, seq, 128)
+    # The offset goes in as an array so the compiled function is reused at every position.
+    q, k, v = qkv_heads(x, weights[p + "q_proj.weight"], weights[p + "k_proj.weight"], weights[p + "v_proj.weight"],
+                        weights[p + "q_norm.weight"], weights[p + "k_norm.weight"], mx.array(offset),
+                        c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, c.rope_theta, fused)
     # Append this step's keys/values to the cache (in place), then attend over all positions so far.
     cache.keys[layer][:, offset : offset + seq] = k
     cache.values[layer][:, offset : offset + seq] = v
@@ -303,6 +319,7 @@ def attention(x, weights, layer, config, cache, fused=True):
 # 7. SwiGLU feed-forward: a gated two-layer MLP applied to each position on its own
 # ------------------------------------------------------------------------------------------------
 
+@mx.compile  # one call, and silu(gate) * up fused into one kernel (see "Speed" in section 6)
 def swiglu(x, gate_proj, up_proj, down_proj):
     gate = x @ gate_proj.T  # (seq, 3072)
     up = x @ up_proj.T  # (seq, 3072)
@@ -351,21 +368,23 @@ def forward(token_ids, weights, config, cache, last_only=True, fused=True):
 
 def sample(logits, temperature, top_k, top_p, key):
     """Temperature 0 = greedy (argmax). Otherwise softmax(logits / temperature), restricted to the top_k
-    most likely tokens (0 = no limit) and to the smallest set whose probability reaches top_p (the token
-    that crosses the threshold is kept), renormalised, and sampled with the random `key`."""
+    most likely tokens (0 = no limit), then to the smallest set of those whose renormalised probability
+    reaches top_p (the token that crosses the threshold is kept), as Hugging Face transformers does;
+    renormalised again and sampled with the random `key`."""
     if temperature == 0:
         return mx.argmax(logits, axis=-1)
-    order = mx.argsort(-logits.astype(mx.float32), axis=-1)  # token ids, most likely first
-    sorted_logits = mx.take_along_axis(logits.astype(mx.float32), order, axis=-1) / temperature
-    keep = mx.ones(sorted_logits.shape, dtype=mx.bool_)
-    if top_k > 0:
-        keep = keep & (mx.arange(sorted_logits.shape[-1]) < top_k)
+    logits = logits.astype(mx.float32) / temperature  # < 1 sharpens the distribution, > 1 flattens it
+    if 0 < top_k < logits.shape[-1]:  # only the k largest can survive: sort those, not all 151936
+        candidates = mx.argpartition(-logits, top_k - 1)[:top_k]
+    else:
+        candidates = mx.arange(logits.shape[-1])
+    order = candidates[mx.argsort(-logits[candidates])]  # token ids, most likely first
+    sorted_logits = logits[order]
     if top_p < 1:
-        probs = mx.softmax(sorted_logits, axis=-1)
+        probs = mx.softmax(sorted_logits)
         # Keep a token if the tokens strictly more likely than it sum to less than top_p.
-        keep = keep & (mx.cumsum(probs, axis=-1) - probs < top_p)
-    choice = mx.random.categorical(mx.where(keep, sorted_logits, -mx.inf), key=key)
-    return mx.take_along_axis(order, choice[..., None], axis=-1)[..., 0]
+        sorted_logits = mx.where(mx.cumsum(probs) - probs < top_p, sorted_logits, -mx.inf)
+    return order[mx.random.categorical(sorted_logits, key=key)]  # categorical renormalises what is left
 
 
 # ------------------------------------------------------------------------------------------------
@@ -399,11 +418,11 @@ def generate(prompt_ids, weights, config, max_tokens, temperature=0.0, top_k=0, 
     # while Python prepares the next step.
     for n in range(max_tokens):
         if n + 1 < max_tokens:
-            next_token = step(token)
+            next_token = step(token[None])  # (1,): a one-token sequence
             mx.async_eval(next_token)
         token_id = token.item()  # waits for step n only
         yield token_id
-        if token_id in eos_ids:
+        if token_id in eos_ids or n + 1 == max_tokens:
             return
         token = next_token
 
@@ -467,6 +486,12 @@ def find_model(model_arg, allow_download):
         raise UserError(f"{what} and --no-download was given; fetch it with: {download_command(model_dir)}")
     download_model(model_dir)
     return model_dir
+
+
+def device_name():
+    if mx.default_device() != mx.gpu:
+        return "cpu"
+    return "gpu (Metal)" if mx.metal.is_available() else "gpu (CUDA)"
 
 
 def pick_dtype(name):
@@ -571,7 +596,7 @@ def main(argv=None):
 
     c = config
     print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, {c.num_attention_heads} Q heads, "
-          f"{c.num_key_value_heads} KV heads) on {mx.default_device()}, {str(dtype).split('.')[-1]}", file=sys.stderr)
+          f"{c.num_key_value_heads} KV heads) on {device_name()}, {str(dtype).split('.')[-1]}", file=sys.stderr)
     sampling = "greedy" if temperature == 0 else f"temperature {temperature}, top-p {top_p}, top-k {top_k}, seed {seed}"
     print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {sampling}", file=sys.stderr)
     if args.top_probs:

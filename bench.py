@@ -1,0 +1,148 @@
+"""Benchmark llm_inference.generate against mlx-lm's generate_step, in one process, on the same weights.
+
+    python bench.py                      # Qwen3-0.6B shape (random weights unless ./Qwen3-0.6B exists)
+    python bench.py --tiny               # a 2-layer model: measures per-token overhead, not the matmuls
+    python bench.py --device cpu --dtype float32 --prompt-lengths 128 --decode-tokens 64
+
+For each prompt length: a warm-up, then --reps repetitions alternating which runtime goes first. Prints
+medians of prefill speed, time to first token (TTFT), decode speed and peak memory, the ratios ours /
+mlx-lm, and the decode ceiling set by memory bandwidth (every weight byte is read once per token).
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llm_inference as li  # noqa: E402
+
+
+def ours(weights, config):
+    def run(prompt, n):
+        return li.generate(prompt, weights, config, max_tokens=n)  # greedy; eos_ids=() never stops early
+    return run
+
+
+def mlx_lm_runner(model):
+    from mlx_lm.generate import generate_step
+
+    def run(prompt, n):
+        return (token for token, _ in generate_step(mx.array(prompt), model, max_tokens=n))
+    return run
+
+
+def timed(run, prompt, n):
+    """Time to first token, decode tok/s over the rest, peak memory, and the tokens."""
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    tokens = []
+    for token in run(prompt, n):
+        tokens.append(token)
+        if len(tokens) == 1:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return dict(ttft=first - start, prefill=len(prompt) / (first - start), decode=(n - 1) / (end - first),
+                peak=mx.get_peak_memory() / 1e9, tokens=tokens)
+
+
+def measure_bandwidth(dtype, nbytes=1 << 30):
+    """GB/s reading a 1 GiB matrix in a matrix-vector product: decode's own memory-bound operation."""
+    w = mx.random.normal((nbytes // dtype.size // 4096, 4096)).astype(dtype)
+    x = mx.random.normal((4096,)).astype(dtype)
+    mx.eval(w, x)
+    times = []
+    for _ in range(6):
+        start = time.perf_counter()
+        mx.eval(w @ x)
+        times.append(time.perf_counter() - start)
+    del w
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def load_pair(model_dir, dtype):
+    """Our weights, and mlx-lm's model holding the very same arrays (so memory is not counted twice)."""
+    from mlx_lm.utils import load
+
+    config = li.load_config(model_dir)
+    weights = li.load_weights(model_dir, config, dtype)
+    model, _ = load(str(model_dir))
+    names = [name for name, _ in tree_flatten(model.parameters())]
+    model.update(tree_unflatten([(name, weights[name]) for name in names]))
+    mx.eval(model.parameters())
+    return config, weights, model
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint folder (default: ./Qwen3-0.6B if present, else random weights)")
+    ap.add_argument("--tiny", action="store_true", help="random 2-layer model instead of the 0.6B shape")
+    ap.add_argument("--device", choices=["cpu", "gpu"], help="default: MLX's default device")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    ap.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 2048])
+    ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    if args.device:
+        mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    dtype = li.pick_dtype(args.dtype)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model) if args.model else Path("Qwen3-0.6B")
+        if args.tiny or not (model_dir / "model.safetensors").exists():
+            from tests.checkpoint import TINY_CONFIG, write_checkpoint
+
+            model_dir = Path(tmp) / "model"
+            print(f"writing a random-weight {'tiny' if args.tiny else 'Qwen3-0.6B-shaped'} checkpoint ...", flush=True)
+            write_checkpoint(model_dir, TINY_CONFIG if args.tiny else None)
+        config, weights, model = load_pair(model_dir, dtype)
+
+    weight_bytes = sum(w.nbytes for w in weights.values())
+    print(f"MLX {mx.__version__}, device {mx.default_device()}, dtype {str(dtype).split('.')[-1]}, "
+          f"{config.num_hidden_layers} layers, {weight_bytes / 1e9:.2f} GB of weights")
+    runners = {"ours": ours(weights, config), "mlx-lm": mlx_lm_runner(model)}
+    bandwidth = measure_bandwidth(dtype)
+    key = mx.random.key(0)
+    article_prompt = [785, 6722, 315, 9625, 374]  # "The capital of France is"
+    rows = []
+    for length in [5] + args.prompt_lengths:
+        prompt = article_prompt if length == 5 else mx.random.randint(0, config.vocab_size, (length,), key=key).tolist()
+        n = 2 if length == 5 else args.decode_tokens  # the 5-token prompt is for time to first token
+        for name, run in runners.items():  # warm-up: compile kernels, size the allocator
+            timed(run, prompt, min(n, 8))
+        results = {name: [] for name in runners}
+        for rep in range(args.reps):
+            order = list(runners) if rep % 2 == 0 else list(runners)[::-1]
+            for name in order:
+                results[name].append(timed(runners[name], prompt, n))
+        same = sum(a == b for a, b in zip(results["ours"][0]["tokens"], results["mlx-lm"][0]["tokens"]))
+        kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.size
+        ceiling = bandwidth * 1e9 / (weight_bytes + kv_bytes * (length + n / 2))
+        med = {name: {k: statistics.median(r[k] for r in rs) for k in ("ttft", "prefill", "decode", "peak")}
+               for name, rs in results.items()}
+        rows.append((length, n, med, same, ceiling))
+
+    print(f"memory bandwidth (1 GiB matrix-vector product): {bandwidth:.0f} GB/s; medians of {args.reps} runs after a warm-up")
+    print(f"{'prompt':>6} {'runtime':>7} {'TTFT ms':>9} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak GB':>8}")
+    for length, n, med, same, ceiling in rows:
+        for name in runners:
+            m = med[name]
+            decode = f"{m['decode']:13.1f}" if n > 2 else f"{'-':>13}"
+            print(f"{length:>6} {name:>7} {m['ttft'] * 1e3:9.1f} {m['prefill']:14.0f} {decode} {m['peak']:8.2f}")
+        o, t = med["ours"], med["mlx-lm"]
+        ratios = f"TTFT {o['ttft'] / t['ttft']:.2f}x, prefill {o['prefill'] / t['prefill']:.2f}x"
+        if n > 2:
+            ratios += f", decode {o['decode'] / t['decode']:.2f}x (ceiling {ceiling:.0f} tok/s)"
+        print(f"{'':>6} {'ratio':>7} ours/mlx-lm: {ratios}, peak {o['peak'] / t['peak']:.2f}x; "
+              f"greedy tokens identical: {same}/{n}")
+
+
+if __name__ == "__main__":
+    main()

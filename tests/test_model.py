@@ -1,0 +1,158 @@
+"""The whole model against mlx-lm on the same checkpoint, the KV cache against recomputation, and sampling."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load as mlx_lm_load
+
+import llm_inference as li
+from tests.checkpoint import TINY_CONFIG, write_checkpoint
+
+CONFIGS = {
+    "tied": TINY_CONFIG,
+    "untied": TINY_CONFIG | {"tie_word_embeddings": False},
+    "8q-2kv": TINY_CONFIG | {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 3},
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    folder = write_checkpoint(tmp_path_factory.mktemp(request.param), CONFIGS[request.param], seed=1)
+    config = li.load_config(folder)
+    return folder, config, li.load_weights(folder, config, mx.float32), li.load_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_model(checkpoint):
+    model, _ = mlx_lm_load(str(checkpoint[0]))
+    model.set_dtype(mx.float32)
+    return model
+
+
+PROMPT = "The capital of France is Paris, and the capital of Italy is"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_logits_match_mlx_lm(checkpoint, mlx_lm_model, fused):
+    folder, config, weights, tokenizer = checkpoint
+    ids = tokenizer.encode(PROMPT).ids
+    theirs = mlx_lm_model(mx.array(ids)[None])[0]  # (seq, vocab)
+    ours_all = li.forward(mx.array(ids), weights, config, li.KVCache(), last_only=False, fused=fused)
+    ours_last = li.forward(mx.array(ids), weights, config, li.KVCache(), fused=fused)
+    assert ours_all.shape == (len(ids), config.vocab_size) and ours_last.shape == (config.vocab_size,)
+    assert float(theirs.abs().max()) > 1  # logits of healthy scale, so 1e-4 is a tight bound
+    assert float(mx.abs(ours_all - theirs).max()) < 1e-4
+    assert float(mx.abs(ours_last - theirs[-1]).max()) < 1e-4
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_greedy_continuation_matches_mlx_lm(checkpoint, mlx_lm_model, fused):
+    folder, config, weights, tokenizer = checkpoint
+    ids = tokenizer.encode(PROMPT).ids
+    ours = list(li.generate(ids, weights, config, max_tokens=40, fused=fused))
+    theirs = [t for t, _ in generate_step(mx.array(ids), mlx_lm_model, max_tokens=40)]
+    assert len(set(ours)) > 3  # a continuation that varies, so a divergence would show
+    assert ours == theirs
+
+
+def test_bfloat16_logits_close_to_mlx_lm(checkpoint):
+    folder, config, _, tokenizer = checkpoint
+    weights = li.load_weights(folder, config, mx.bfloat16)
+    model, _ = mlx_lm_load(str(folder))  # bfloat16, as stored
+    ids = mx.array(tokenizer.encode(PROMPT).ids)
+    theirs = model(ids[None])[0, -1].astype(mx.float32)
+    ours = li.forward(ids, weights, config, li.KVCache()).astype(mx.float32)
+    # Two bfloat16 implementations round differently; they must still agree to ~1% of the logits' range.
+    assert float(mx.abs(ours - theirs).max()) < 0.02 * float(theirs.abs().max())
+    assert int(mx.argmax(ours)) == int(mx.argmax(theirs))
+
+
+def test_cached_decoding_equals_recomputing(checkpoint):
+    """Prefill 250 tokens, then decode 20 one at a time across the 256-position chunk boundary: each step's
+    logits must equal those of running the whole sequence from scratch without reusing anything."""
+    folder, config, weights, _ = checkpoint
+    tokens = mx.random.randint(0, config.vocab_size, (270,), key=mx.random.key(5))
+    full = li.forward(tokens, weights, config, li.KVCache(), last_only=False)  # (270, vocab)
+    cache = li.KVCache()
+    li.forward(tokens[:250], weights, config, cache)
+    for i in range(250, 270):
+        step = li.forward(tokens[i : i + 1], weights, config, cache)
+        assert float(mx.abs(step - full[i]).max()) < 1e-4, f"position {i}"
+    assert cache.offset == 270 and cache.keys[0].shape[1] == 2 * li.CACHE_CHUNK
+
+
+def test_chunked_prefill_gives_the_same_tokens(checkpoint, monkeypatch):
+    folder, config, weights, _ = checkpoint
+    prompt = mx.random.randint(0, config.vocab_size, (50,), key=mx.random.key(6)).tolist()
+    whole = list(li.generate(prompt, weights, config, max_tokens=10))
+    monkeypatch.setattr(li, "PREFILL_CHUNK", 16)  # 50 = 16 + 16 + 16 + 2
+    assert list(li.generate(prompt, weights, config, max_tokens=10)) == whole
+
+
+def test_generate_stops_at_end_of_sequence(checkpoint):
+    folder, config, weights, tokenizer = checkpoint
+    ids = tokenizer.encode(PROMPT).ids
+    free = list(li.generate(ids, weights, config, max_tokens=12))
+    stop = free[5]
+    stopped = list(li.generate(ids, weights, config, max_tokens=12, eos_ids={stop}))
+    assert stopped == free[: free.index(stop) + 1]  # the end-of-sequence token is yielded, then it stops
+    assert li.eos_token_ids(folder, tokenizer) == {151643, 151645}
+
+
+def test_seeded_sampling_reproduces(checkpoint):
+    folder, config, weights, tokenizer = checkpoint
+    ids = tokenizer.encode(PROMPT).ids
+    run = lambda seed: list(li.generate(ids, weights, config, 16, temperature=1.0, top_k=50, top_p=0.95, seed=seed))
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+# ---- sample() on a small known distribution --------------------------------------------------------
+
+PROBS = np.array([0.05, 0.4, 0.02, 0.3, 0.2, 0.03])  # token 1 most likely, then 3, 4, 5, 0, 2
+LOGITS = mx.array(np.log(PROBS), dtype=mx.float32)
+
+
+def draw(n, **kw):
+    keys = mx.random.split(mx.random.key(0), n)
+    return np.array([li.sample(LOGITS, key=keys[i], **kw).item() for i in range(n)])
+
+
+def test_greedy_is_argmax():
+    logits = mx.random.normal((1000,), key=mx.random.key(1))
+    assert li.sample(logits, 0.0, 0, 1.0, mx.random.key(0)).item() == int(np.argmax(np.array(logits)))
+
+
+@pytest.mark.parametrize(
+    "top_k,top_p,kept",
+    [
+        (0, 1.0, {0, 1, 2, 3, 4, 5}),
+        (2, 1.0, {1, 3}),
+        (3, 1.0, {1, 3, 4}),
+        (0, 0.35, {1}),  # the most likely token alone (0.4) already reaches 0.35
+        (0, 0.5, {1, 3}),  # 0.4 < 0.5, so token 3 crosses the threshold and is kept
+        (0, 0.75, {1, 3, 4}),
+        (0, 0.91, {1, 3, 4, 0}),
+        (2, 0.5, {1}),  # top-p acts after top-k, on the renormalised {1: 0.57, 3: 0.43}, as in transformers
+        (2, 0.6, {1, 3}),
+        (3, 0.95, {1, 3, 4}),
+    ],
+)
+def test_top_k_top_p_keep_exactly_the_right_tokens(top_k, top_p, kept):
+    samples = draw(3000, temperature=1.0, top_k=top_k, top_p=top_p)
+    assert set(samples.tolist()) == kept
+    # Frequencies follow the kept tokens' probabilities, renormalised (5 standard deviations of slack).
+    expected = np.array([PROBS[t] if t in kept else 0 for t in range(len(PROBS))])
+    expected /= expected.sum()
+    freq = np.bincount(samples, minlength=len(PROBS)) / len(samples)
+    assert np.all(np.abs(freq - expected) <= 5 * np.sqrt(expected * (1 - expected) / len(samples)) + 1e-9)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 3.0])
+def test_temperature_reshapes_the_distribution(temperature):
+    """Sampling at temperature T draws from softmax(logits / T), i.e. probabilities ~ p^(1/T)."""
+    samples = draw(3000, temperature=temperature, top_k=0, top_p=1.0)
+    expected = PROBS ** (1 / temperature) / (PROBS ** (1 / temperature)).sum()
+    freq = np.bincount(samples, minlength=len(PROBS)) / len(samples)
+    assert np.all(np.abs(freq - expected) <= 5 * np.sqrt(expected * (1 - expected) / len(samples)) + 1e-9)
