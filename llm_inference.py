@@ -258,35 +258,42 @@ def reserve_cache(cache, config, n_new, dtype):
 
 
 # Speed: decoding one token runs ~40 small operations per layer, each far too small to keep a GPU busy,
-# so their fixed cost (Python building the graph, one kernel launch each) is what limits tokens per second.
-# mx.compile traces a function once per input shape and afterwards replays it as one call, fusing
-# element-wise operations into single kernels. We compile the two pieces of a block that do not touch the
-# cache: qkv_heads (below) and swiglu (section 7). Arguments must be arrays or plain numbers, hence the
-# explicit parameters; the result is the same as running the functions directly (tests check both).
+# so their fixed cost (Python building the graph, one kernel launch each) limits tokens per second, not
+# arithmetic. mx.compile traces a function once per input shape and afterwards replays it as one call,
+# fusing element-wise operations into single kernels. So a block is cut into three: qkv_heads and
+# block_output (section 8) are compiled; only the cache work in between runs op by op, because its shapes
+# change at every position. Compiled functions take arrays and plain numbers, hence explicit parameters.
 
 @mx.compile
-def qkv_heads(x, q_proj, k_proj, v_proj, q_norm, k_norm, offset, n_heads, n_kv_heads, eps, theta, fused=True):
+def qkv_heads(x, input_layernorm, q_proj, k_proj, v_proj, q_norm, k_norm, offset, n_heads, n_kv_heads, eps,
+              theta, fused=True):
     """Queries (heads, seq, head_dim) and keys, values (kv_heads, seq, head_dim) for x (seq, 1024)."""
     seq, head_dim = x.shape[0], q_norm.shape[0]
+    x = rms_norm(x, input_layernorm, eps, fused)  # pre-norm: see transformer_block
     # Project, then split the last axis into heads and put the head axis first.
     q = (x @ q_proj.T).reshape(seq, n_heads, head_dim).swapaxes(0, 1)  # (16, seq, 128)
     k = (x @ k_proj.T).reshape(seq, n_kv_heads, head_dim).swapaxes(0, 1)  # (8, seq, 128)
     v = (x @ v_proj.T).reshape(seq, n_kv_heads, head_dim).swapaxes(0, 1)  # (8, seq, 128)
     # QK-norm (new in Qwen3): RMS-normalise each head's query and key so their dot products cannot blow up.
     # It comes *before* RoPE: the learned per-channel gain must see channels in a fixed frame, and the
-    # rotation then mixes channel pairs by position (normalising after would undo nothing but break that).
+    # rotation then mixes channel pairs by position, keeping the norm it just set.
     q = apply_rope(rms_norm(q, q_norm, eps, fused), offset, theta, fused)
     k = apply_rope(rms_norm(k, k_norm, eps, fused), offset, theta, fused)
     return q, k, v
 
 
 def attention(x, weights, layer, config, cache, fused=True):
-    """Self-attention of layer `layer` for x (seq, 1024) at positions cache.offset ... offset + seq - 1."""
-    c, p = config, f"model.layers.{layer}.self_attn."
+    """The attention heads of layer `layer` for x (seq, 1024) at positions cache.offset, ...: (seq, 16 * 128).
+
+    Each position's query is compared with the keys of itself and every earlier position; the softmax of
+    those scores weights the matching values. block_output projects the heads back to 1024 numbers.
+    """
+    c, p = config, f"model.layers.{layer}."
     seq, offset = x.shape[0], cache.offset
-    # The offset goes in as an array so the compiled function is reused at every position.
-    q, k, v = qkv_heads(x, weights[p + "q_proj.weight"], weights[p + "k_proj.weight"], weights[p + "v_proj.weight"],
-                        weights[p + "q_norm.weight"], weights[p + "k_norm.weight"], mx.array(offset),
+    q, k, v = qkv_heads(x, weights[p + "input_layernorm.weight"], weights[p + "self_attn.q_proj.weight"],
+                        weights[p + "self_attn.k_proj.weight"], weights[p + "self_attn.v_proj.weight"],
+                        weights[p + "self_attn.q_norm.weight"], weights[p + "self_attn.k_norm.weight"],
+                        mx.array(offset),  # an array, not a constant, so one compiled trace serves every position
                         c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, c.rope_theta, fused)
     # Append this step's keys/values to the cache (in place), then attend over all positions so far.
     cache.keys[layer][:, offset : offset + seq] = k
@@ -311,15 +318,13 @@ def attention(x, weights, layer, config, cache, fused=True):
             scores = mx.where(allowed, scores, -mx.inf)
         probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)  # exp/sum in float32
         out = (probs @ v[:, None]).reshape(c.num_attention_heads, seq, c.head_dim)  # (16, seq, 128)
-    out = out.swapaxes(0, 1).reshape(seq, c.num_attention_heads * c.head_dim)  # concat heads: (seq, 2048)
-    return out @ weights[p + "o_proj.weight"].T  # (seq, 1024)
+    return out.swapaxes(0, 1).reshape(seq, c.num_attention_heads * c.head_dim)  # concat heads: (seq, 2048)
 
 
 # ------------------------------------------------------------------------------------------------
 # 7. SwiGLU feed-forward: a gated two-layer MLP applied to each position on its own
 # ------------------------------------------------------------------------------------------------
 
-@mx.compile  # one call, and silu(gate) * up fused into one kernel (see "Speed" in section 6)
 def swiglu(x, gate_proj, up_proj, down_proj):
     gate = x @ gate_proj.T  # (seq, 3072)
     up = x @ up_proj.T  # (seq, 3072)
@@ -331,14 +336,25 @@ def swiglu(x, gate_proj, up_proj, down_proj):
 # 8. Transformer block: attention then feed-forward, each on a normalised copy added back (residual)
 # ------------------------------------------------------------------------------------------------
 
+@mx.compile
+def block_output(x, heads, o_proj, post_attention_layernorm, gate_proj, up_proj, down_proj, eps, fused=True):
+    """The rest of a block after attention: project the heads back and add, then the feed-forward sub-layer."""
+    x = x + heads @ o_proj.T  # (seq, 2048) -> (seq, 1024), added to the residual stream
+    return x + swiglu(rms_norm(x, post_attention_layernorm, eps, fused), gate_proj, up_proj, down_proj)
+
+
 def transformer_block(x, weights, layer, config, cache, fused=True):
-    p, eps = f"model.layers.{layer}.", config.rms_norm_eps
-    # Pre-norm: normalise the input of each sub-layer, never the residual stream itself, so the
-    # unnormalised sum x can carry information straight from the embedding to the last layer.
-    x = x + attention(rms_norm(x, weights[p + "input_layernorm.weight"], eps, fused), weights, layer, config, cache, fused)
-    h = rms_norm(x, weights[p + "post_attention_layernorm.weight"], eps, fused)
-    mlp = p + "mlp."
-    return x + swiglu(h, weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"], weights[mlp + "down_proj.weight"])
+    """x (seq, 1024) -> x + attention(norm(x)) -> that + swiglu(norm(that)), keeping the shape.
+
+    Pre-norm: each sub-layer reads a normalised copy of the residual stream x and *adds* its result to x,
+    never normalising x itself, so information (and, in training, gradient) flows straight from the
+    embedding to the last layer.
+    """
+    p = f"model.layers.{layer}."
+    heads = attention(x, weights, layer, config, cache, fused)  # normalises x itself (in qkv_heads)
+    return block_output(x, heads, weights[p + "self_attn.o_proj.weight"], weights[p + "post_attention_layernorm.weight"],
+                        weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"],
+                        weights[p + "mlp.down_proj.weight"], config.rms_norm_eps, fused)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -115,10 +115,10 @@ def sdpa_reference(q, k, v, offset):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 2), (4, 4)])
 @pytest.mark.parametrize("offset,seq", [(0, 6), (5, 3), (9, 1)])
 def test_attention_matches_mlx_sdpa(dtype, fused, heads, kv_heads, offset, seq):
-    """Our attention = projections + QK-norm + RoPE (checked above) + MLX's SDPA with a causal mask."""
+    """Our attention = input norm + projections + QK-norm + RoPE + MLX's SDPA with a causal mask."""
     c = tiny_config(num_attention_heads=heads, num_key_value_heads=kv_heads)
     w = random_weights(c, dtype)
-    p = "model.layers.0.self_attn."
+    p = "model.layers.0."
     past = randn(offset, c.hidden_size, dtype=dtype, seed=7)
     x = randn(seq, c.hidden_size, dtype=dtype, seed=8)
 
@@ -131,18 +131,17 @@ def test_attention_matches_mlx_sdpa(dtype, fused, heads, kv_heads, offset, seq):
     ours = li.attention(x, w, 0, c, cache, fused)
 
     # The same computation from MLX reference pieces, over the full sequence past + x.
-    full = mx.concatenate([past, x]) if offset else x
+    full = mx.fast.rms_norm(mx.concatenate([past, x]) if offset else x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
 
     def heads_of(name, n):
-        return (full @ w[p + name].T).reshape(offset + seq, n, c.head_dim).swapaxes(0, 1)
+        return (full @ w[p + "self_attn." + name].T).reshape(offset + seq, n, c.head_dim).swapaxes(0, 1)
 
-    norm = lambda t, name: mx.fast.rms_norm(t, w[p + name], c.rms_norm_eps)
+    norm = lambda t, name: mx.fast.rms_norm(t, w[p + "self_attn." + name], c.rms_norm_eps)
     rope = nn.RoPE(c.head_dim, traditional=False, base=c.rope_theta)
     q = rope(norm(heads_of("q_proj.weight", heads), "q_norm.weight"))[:, offset:]
     k = rope(norm(heads_of("k_proj.weight", kv_heads), "k_norm.weight"))
     v = heads_of("v_proj.weight", kv_heads)
-    out = sdpa_reference(q, k, v, offset).swapaxes(0, 1).reshape(seq, heads * c.head_dim)
-    close(ours, out @ w[p + "o_proj.weight"].T, dtype)
+    close(ours, sdpa_reference(q, k, v, offset).swapaxes(0, 1).reshape(seq, heads * c.head_dim), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
