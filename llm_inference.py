@@ -113,6 +113,10 @@ def load_weights(model_dir, config, dtype):
     """Name -> array, checked against the config and converted to `dtype` (the file stores bfloat16)."""
     path = Path(model_dir) / "model.safetensors"
     try:
+        path.open("rb").close()  # a permission problem is not a damaged file: say which it is
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}")
+    try:
         tensors = mx.load(str(path))
     except (RuntimeError, ValueError, OSError) as e:
         raise UserError(f"{path} is not a readable safetensors file ({e}); re-download it")
@@ -500,7 +504,10 @@ def find_model(model_arg, allow_download):
         raise UserError(f"{what}; point --model at a folder with {', '.join(NEEDED_FILES)}")
     if not allow_download:
         raise UserError(f"{what} and --no-download was given; fetch it with: {download_command(model_dir)}")
-    download_model(model_dir)
+    try:
+        download_model(model_dir)
+    except UserError as e:
+        raise UserError(f"{what}, and {e}")
     return model_dir
 
 
