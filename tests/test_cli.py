@@ -1,0 +1,642 @@
+"""The command line, end to end: `python llm_inference.py ...` as real subprocesses.
+
+Every run gets a controlled environment: the working directory is a temporary folder (so the default
+./Qwen3-0.6B is under the test's control), HF_HOME points at a temporary folder (no user cache is read or
+written) and HF_HUB_OFFLINE=1 unless a test says otherwise, so nothing ever reaches the network; the
+download tests talk to a closed port or to a fake Hugging Face hub served on 127.0.0.1 by this file.
+
+The model is a tiny random-weight Qwen3 (tests/checkpoint.py: 2 layers, real 151936-token vocabulary and
+real Qwen tokenizer), built once per session; bad-input cases copy it and break one thing.
+"""
+
+import hashlib
+import http.server
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from tokenizers import Tokenizer
+
+import llm_inference as li
+from tests.checkpoint import TINY_CONFIG, write_checkpoint
+
+SCRIPT = Path(li.__file__).resolve()
+PROMPT = "The capital of France is"  # 5 tokens with Qwen's tokenizer
+STATS = re.compile(
+    r"Prompt: (\d+) tokens, [\d.]+ tok/s \| Generated: (\d+) tokens, [\d.]+ tok/s \| "
+    r"Total: [\d.]+ s \| Peak memory: [\d.]+ GB$"
+)
+ERROR_PREFIX = "llm_inference.py: error: "
+MANUAL_DOWNLOAD = "hf download Qwen/Qwen3-0.6B"
+
+
+# ------------------------------------------------------------------------------------------------
+# Running the script
+# ------------------------------------------------------------------------------------------------
+
+def cli_env(home, **overrides):
+    """os.environ without any Hugging Face settings or tokens, offline, with a private HF_HOME."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE_", "HUGGINGFACE_"))}
+    env |= {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+            "PYTHONDONTWRITEBYTECODE": "1"}
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def run_cli(*args, cwd, stdin=b"", script=SCRIPT, timeout=120, **env):
+    """Run the script; returns (exit code, stdout, stderr) with the streams decoded as UTF-8."""
+    cwd = Path(cwd)
+    proc = subprocess.run([sys.executable, str(script), *map(str, args)], cwd=cwd, input=stdin,
+                          capture_output=True, timeout=timeout, env=cli_env(cwd / ".hf-home", **env))
+    return proc.returncode, proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")
+
+
+def assert_one_line_error(result, code=1, *needles):
+    """Exit `code`, nothing on stdout, exactly one line on stderr that names the problem."""
+    rc, out, err = result
+    assert "Traceback" not in err, err
+    assert rc == code, f"exit code {rc}, expected {code}; stderr:\n{err}"
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{err}"
+    assert err.endswith("\n")
+    assert lines[0].startswith(ERROR_PREFIX), lines[0]
+    for needle in needles:
+        assert needle in lines[0], f"{needle!r} not in {lines[0]!r}"
+    assert out == "", f"unexpected stdout: {out!r}"
+    return lines[0]
+
+
+def parse_success(result):
+    """Checks a normal run; returns (generated text, stderr lines, prompt tokens, generated tokens)."""
+    rc, out, err = result
+    assert rc == 0, f"exit code {rc}; stderr:\n{err}"
+    assert "Traceback" not in err, err
+    assert out.endswith("\n"), repr(out)
+    lines = err.splitlines()
+    assert lines[0].startswith("Model: "), lines
+    stats = STATS.search(lines[-1])
+    assert stats and lines[-1].startswith("Prompt: "), lines[-1]
+    return out[:-1], lines, int(stats[1]), int(stats[2])
+
+
+# ------------------------------------------------------------------------------------------------
+# The tiny checkpoint and the in-process reference
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("models") / "tiny-qwen3", TINY_CONFIG)
+
+
+class Reference:
+    """The same model loaded in this process with the library functions, to compare the CLI against."""
+
+    def __init__(self, folder, dtype):
+        self.folder = folder
+        self.config = li.load_config(folder)
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.weights = li.load_weights(folder, self.config, dtype)
+        self.eos_ids = li.eos_token_ids(folder, self.tokenizer)
+
+    def ids(self, text):
+        return self.tokenizer.encode(text).ids
+
+    def generate(self, text, max_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0, fused=True):
+        return list(li.generate(self.ids(text), self.weights, self.config, max_tokens, temperature, top_k, top_p,
+                                seed, self.eos_ids, fused=fused))
+
+    def text(self, *args, **kwargs):
+        return self.tokenizer.decode(self.generate(*args, **kwargs), skip_special_tokens=True)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model):
+    # The CLI's default --dtype auto: float32 on the CPU, bfloat16 on a GPU; the same rule in this process.
+    return Reference(tiny_model, li.pick_dtype("auto"))
+
+
+@pytest.fixture(scope="session")
+def greedy_24(reference):
+    ids = reference.generate(PROMPT, 24)
+    assert len(ids) == 24, "the tiny model hit end-of-sequence early; pick another checkpoint seed"
+    return reference.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.fixture
+def variant(tiny_model, tmp_path):
+    """make(name, **files): a copy of the tiny checkpoint in tmp_path/name; each keyword replaces one file
+    (dots as underscores: config_json=...) with bytes, a dict (written as JSON) or None (file left out).
+    Unchanged files are hard links (never written to); replaced ones are new files."""
+
+    def make(name="model", **files):
+        folder = tmp_path / name
+        folder.mkdir()
+        replace = {key.replace("_json", ".json").replace("_safetensors", ".safetensors"): value
+                   for key, value in files.items()}
+        for source in tiny_model.iterdir():
+            target = folder / source.name
+            if source.name not in replace:
+                try:
+                    os.link(source, target)
+                except OSError:
+                    shutil.copyfile(source, target)
+        for filename, content in replace.items():
+            if content is None:
+                continue
+            if isinstance(content, dict):
+                content = json.dumps(content).encode()
+            (folder / filename).write_bytes(content)
+        return folder
+
+    return make
+
+
+def tiny_config(tiny_model):
+    return json.loads((tiny_model / "config.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. Happy paths
+# ------------------------------------------------------------------------------------------------
+
+def test_greedy_matches_in_process_generation(tiny_model, greedy_24, tmp_path):
+    text, lines, n_prompt, n_generated = parse_success(run_cli("--model", tiny_model, "--max-tokens", 24,
+                                                               cwd=tmp_path))
+    assert text == greedy_24
+    assert lines[0].startswith("Model: tiny-qwen3 (2 layers, 64 dim, 4 Q heads, 2 KV heads) on ")
+    assert lines[1] == f"Prompt: {PROMPT!r} (5 tokens), greedy"
+    assert len(lines) == 3
+    assert (n_prompt, n_generated) == (5, 24)
+    assert "Prompt: 5 tokens" in lines[-1] and "Generated: 24 tokens" in lines[-1]
+
+
+def test_top_probs_table(tiny_model, reference, greedy_24, tmp_path):
+    text, lines, _, n_generated = parse_success(
+        run_cli("--model", tiny_model, "--max-tokens", 24, "--top-probs", 5, cwd=tmp_path))
+    assert text == greedy_24 and n_generated == 24
+    header = lines.index("rank  token                 id  probability")
+    rows = lines[header + 1:-1]
+    assert len(rows) == 5, lines
+    parsed = [re.fullmatch(r"\s*(\d+)  (.+?)\s+(\d+)  (\d\.\d{4})", row) for row in rows]
+    assert all(parsed), rows
+    assert [int(m[1]) for m in parsed] == [1, 2, 3, 4, 5]
+    probs = [float(m[4]) for m in parsed]
+    assert all(a >= b for a, b in zip(probs, probs[1:])), probs
+    assert probs[0] > probs[-1] and 0 < sum(probs) <= 1
+    # The same five tokens as the model's own next-token distribution, rank 1 being greedy's first token.
+    logits = li.forward(mx.array(reference.ids(PROMPT)), reference.weights, reference.config, li.KVCache())
+    top5 = mx.argsort(-logits)[:5].tolist()
+    assert [int(m[3]) for m in parsed] == top5
+    assert top5[0] == reference.generate(PROMPT, 2)[0]
+    for m, token_id in zip(parsed, top5):
+        assert m[2] == repr(reference.tokenizer.decode([token_id]))
+
+
+def test_prompt_from_stdin(tiny_model, greedy_24, tmp_path):
+    # `echo ... |` adds a newline: it is not part of the prompt.
+    text, lines, n_prompt, n_generated = parse_success(
+        run_cli("--model", tiny_model, "--max-tokens", 24, "--prompt", "-", cwd=tmp_path,
+                stdin=(PROMPT + "\n").encode()))
+    assert text == greedy_24
+    assert lines[1] == f"Prompt: {PROMPT!r} (5 tokens), greedy"
+    assert (n_prompt, n_generated) == (5, 24)
+
+
+def test_chat_no_think_with_system(tiny_model, reference, tmp_path):
+    system, user = "You are terse.", "Name a colour."
+    # Qwen3's chat format, written out independently of llm_inference.chat_prompt.
+    chat = (f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    text, lines, n_prompt, n_generated = parse_success(
+        run_cli("--model", tiny_model, "--max-tokens", 16, "--chat", "--no-think", "--system", system,
+                "--prompt", user, "--seed", 7, cwd=tmp_path))
+    # --chat takes Qwen3's recommended sampling from generation_config.json: 0.6 / 0.95 / top-k 20.
+    assert lines[1] == f"Prompt: {user!r} ({len(reference.ids(chat))} tokens), temperature 0.6, top-p 0.95, top-k 20, seed 7"
+    expected = reference.generate(chat, 16, temperature=0.6, top_k=20, top_p=0.95, seed=7)
+    assert n_prompt == len(reference.ids(chat))
+    assert n_generated == len(expected)
+    assert text == reference.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_sampling_is_reproducible_per_seed(tiny_model, reference, tmp_path):
+    # 12 tokens: with top-k 0 every step sorts all 151936 probabilities, the slowest part on a CPU.
+    def sample(seed):
+        text, lines, _, n_generated = parse_success(
+            run_cli("--model", tiny_model, "--max-tokens", 12, "--temperature", 0.8, "--seed", seed, cwd=tmp_path))
+        assert lines[1].endswith(f"temperature 0.8, top-p 0.95, top-k 0, seed {seed}")
+        return text
+
+    first, again, other = sample(3), sample(3), sample(4)
+    assert first == again
+    assert first != other
+    assert first == reference.text(PROMPT, 12, temperature=0.8, top_k=0, top_p=0.95, seed=3)
+
+
+def test_reference_ops_give_the_same_greedy_text(tiny_model, greedy_24, tmp_path):
+    text, _, _, n_generated = parse_success(
+        run_cli("--model", tiny_model, "--max-tokens", 24, "--reference-ops", cwd=tmp_path))
+    assert (text, n_generated) == (greedy_24, 24)
+
+
+def test_dtype_bfloat16(tiny_model, tmp_path):
+    expected = Reference(tiny_model, mx.bfloat16).text(PROMPT, 12)
+    text, lines, _, _ = parse_success(run_cli("--model", tiny_model, "--max-tokens", 12, "--dtype", "bfloat16",
+                                              cwd=tmp_path))
+    assert lines[0].endswith(", bfloat16")
+    assert text == expected
+
+
+def test_max_tokens_one(tiny_model, reference, tmp_path):
+    text, _, n_prompt, n_generated = parse_success(run_cli("--model", tiny_model, "--max-tokens", 1, cwd=tmp_path))
+    assert (n_prompt, n_generated) == (5, 1)
+    assert text == reference.tokenizer.decode(reference.generate(PROMPT, 1), skip_special_tokens=True)
+
+
+def test_context_limit_is_inclusive(tiny_model, variant, tmp_path):
+    # 5 prompt tokens + 11 new = 16 = max_position_embeddings: allowed (one more is refused, below).
+    folder = variant(config_json=tiny_config(tiny_model) | {"max_position_embeddings": 16})
+    _, _, n_prompt, n_generated = parse_success(run_cli("--model", folder, "--max-tokens", 11, cwd=tmp_path))
+    assert (n_prompt, n_generated) == (5, 11)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. Bad input: one line on stderr, no traceback, exit 2 for flags and 1 for everything else
+# ------------------------------------------------------------------------------------------------
+
+BAD_FLAGS = [
+    (["--temperature", "-1"], ["--temperature", "-1"]),
+    (["--top-p", "0"], ["--top-p", "0"]),
+    (["--top-p", "1.5"], ["--top-p", "1.5"]),
+    (["--top-k", "-1"], ["--top-k", "-1"]),
+    (["--max-tokens", "0"], ["--max-tokens", "0"]),
+    (["--max-tokens", "2.5"], ["--max-tokens", "2.5"]),
+    (["--seed", "abc"], ["--seed", "abc"]),
+    (["--top-probs", "0"], ["--top-probs", "0"]),
+    (["--dtype", "int8"], ["--dtype", "int8"]),
+    (["--system", "hi"], ["--system", "--chat"]),
+    (["--no-think"], ["--no-think", "--chat"]),
+    (["--bogus"], ["--bogus"]),
+]
+
+
+@pytest.mark.parametrize("flags, needles", BAD_FLAGS, ids=[" ".join(flags) for flags, _ in BAD_FLAGS])
+def test_bad_flag(tiny_model, tmp_path, flags, needles):
+    assert_one_line_error(run_cli("--model", tiny_model, *flags, cwd=tmp_path), 2, *needles)
+
+
+def test_model_folder_missing(tmp_path):
+    missing = tmp_path / "no-such-model"
+    assert_one_line_error(run_cli("--model", missing, cwd=tmp_path), 1, f"model folder {missing} not found")
+    assert not missing.exists()  # an explicit --model folder is never created or downloaded into
+
+
+@pytest.mark.parametrize("filename", li.NEEDED_FILES)
+def test_needed_file_missing(variant, tmp_path, filename):
+    folder = variant(**{filename.replace(".", "_"): None})
+    line = assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, str(folder), f"lacks {filename}")
+    assert "--model" in line
+    assert not (folder / filename).exists()  # nothing was downloaded into an explicit folder
+
+
+@pytest.mark.parametrize("filename", [*li.NEEDED_FILES, "generation_config.json"])
+def test_file_unreadable(variant, tmp_path, filename):
+    """A file that exists but cannot be read. chmod 000 does not stop root (CI runs as root), so the file is a
+    symlink to /proc/self/mem: a regular file that opens, and whose first read fails with EIO (nothing is
+    mapped at address 0), for root too."""
+    folder = variant(**{filename.replace(".", "_"): None})
+    (folder / filename).symlink_to("/proc/self/mem")
+    line = assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, str(folder / filename))
+    assert re.search(r"cannot (read|load)|not a readable", line), line
+
+
+def test_generation_config_is_a_directory(variant, tmp_path):
+    folder = variant(generation_config_json=None)
+    (folder / "generation_config.json").mkdir()
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, f"cannot read {folder / 'generation_config.json'}")
+
+
+def test_config_not_json(variant, tmp_path):
+    folder = variant(config_json=b'{"model_type": "qwen3", ')
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, f"{folder / 'config.json'} is not valid JSON")
+
+
+def test_config_not_qwen3(tiny_model, variant, tmp_path):
+    folder = variant(config_json=tiny_config(tiny_model) | {"model_type": "llama"})
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "not a Qwen3 config", "'llama'")
+
+
+def test_config_missing_key(tiny_model, variant, tmp_path):
+    config = tiny_config(tiny_model)
+    del config["num_hidden_layers"]
+    folder = variant(config_json=config)
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "lacks the required key 'num_hidden_layers'")
+
+
+def test_config_value_not_a_number(tiny_model, variant, tmp_path):
+    folder = variant(config_json=tiny_config(tiny_model) | {"hidden_size": "wide"})
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "'hidden_size'", "'wide'")
+
+
+def test_config_rope_scaling(tiny_model, variant, tmp_path):
+    folder = variant(config_json=tiny_config(tiny_model) | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "RoPE scaling")
+
+
+@pytest.mark.parametrize("keep", ["half", "header only", "4 bytes"])
+def test_safetensors_truncated(tiny_model, variant, tmp_path, keep):
+    data = (tiny_model / "model.safetensors").read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    size = {"half": len(data) // 2, "header only": header_end, "4 bytes": 4}[keep]
+    folder = variant(model_safetensors=data[:size])
+    line = assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, str(folder / "model.safetensors"))
+    assert re.search(r"damaged|not a readable safetensors", line), line
+
+
+def test_safetensors_garbage(variant, tmp_path):
+    folder = variant(model_safetensors=bytes(range(256)) * 64)
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "model.safetensors is not a readable safetensors file")
+
+
+def rewrite_weights(tiny_model, change):
+    """model.safetensors bytes after change(dict of arrays) edits the tiny model's tensors."""
+    tensors = mx.load(str(tiny_model / "model.safetensors"))
+    change(tensors)
+    path = tiny_model.parent / f"edited-{os.getpid()}-{time.monotonic_ns()}.safetensors"
+    mx.save_safetensors(str(path), tensors, metadata={"format": "pt"})
+    try:
+        return path.read_bytes()
+    finally:
+        path.unlink()
+
+
+def test_tensor_missing(tiny_model, variant, tmp_path):
+    name = "model.layers.1.mlp.up_proj.weight"
+    folder = variant(model_safetensors=rewrite_weights(tiny_model, lambda t: t.pop(name)))
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, f"lacks the tensor {name!r}")
+
+
+def test_tensor_wrong_shape(tiny_model, variant, tmp_path):
+    name = "model.layers.0.self_attn.k_proj.weight"  # (2 KV heads * 16, 64) = (32, 64)
+
+    def transpose(tensors):
+        tensors[name] = tensors[name].T
+
+    folder = variant(model_safetensors=rewrite_weights(tiny_model, transpose))
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, repr(name), "(64, 32)", "(32, 64)")
+
+
+def test_tokenizer_garbage(variant, tmp_path):
+    folder = variant(tokenizer_json=b"not a tokenizer")
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, f"cannot load {folder / 'tokenizer.json'}")
+
+
+def test_generation_config_not_json(variant, tmp_path):
+    folder = variant(generation_config_json=b"{oops")
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, f"cannot read {folder / 'generation_config.json'}")
+
+
+@pytest.mark.parametrize("prompt", ["", "  \n\t "], ids=["empty", "whitespace"])
+def test_prompt_empty(tiny_model, tmp_path, prompt):
+    assert_one_line_error(run_cli("--model", tiny_model, "--prompt", prompt, cwd=tmp_path), 1, "the prompt is empty")
+
+
+def test_prompt_longer_than_context(tiny_model, variant, tmp_path):
+    folder = variant(config_json=tiny_config(tiny_model) | {"max_position_embeddings": 16})
+    assert_one_line_error(run_cli("--model", folder, "--max-tokens", 12, cwd=tmp_path), 1,
+                          "5 tokens", "--max-tokens 12", "16-token context")
+
+
+@pytest.mark.parametrize("stdin", [b"", b"\n"], ids=["empty", "newline only"])
+def test_prompt_stdin_empty(tiny_model, tmp_path, stdin):
+    assert_one_line_error(run_cli("--model", tiny_model, "--prompt", "-", cwd=tmp_path, stdin=stdin), 1,
+                          "the prompt is empty")
+
+
+def test_prompt_stdin_not_utf8(tiny_model, tmp_path):
+    assert_one_line_error(run_cli("--model", tiny_model, "--prompt", "-", cwd=tmp_path, stdin=b"\xff\xfe\xfa"), 1,
+                          "not valid UTF-8")
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. The default model folder and its download
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def app(tmp_path):
+    """A copy of the script alone in a folder, so its default model folder is app/Qwen3-0.6B."""
+    folder = tmp_path / "app"
+    folder.mkdir()
+    shutil.copy(SCRIPT, folder / SCRIPT.name)
+    return folder
+
+
+def no_download_leftovers(app):
+    return sorted(p.name for p in app.iterdir() if p.name.startswith(".Qwen3-0.6B.download-"))
+
+
+def test_default_folder_missing_no_download(app):
+    model_dir = app / "Qwen3-0.6B"
+    assert_one_line_error(run_cli("--no-download", cwd=app, script=app / SCRIPT.name), 1,
+                          f"model folder {model_dir} not found", "--no-download", MANUAL_DOWNLOAD, f"--local-dir {model_dir}")
+    assert not model_dir.exists()
+
+
+def test_default_folder_missing_offline(app):
+    assert_one_line_error(run_cli(cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE="1"), 1,
+                          "could not download Qwen/Qwen3-0.6B", MANUAL_DOWNLOAD, str(app / "Qwen3-0.6B"))
+    assert not (app / "Qwen3-0.6B").exists()
+    assert no_download_leftovers(app) == []
+
+
+def test_default_folder_missing_unreachable_hub(app):
+    start = time.monotonic()
+    result = run_cli(cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE=None, HF_ENDPOINT="http://127.0.0.1:9")
+    elapsed = time.monotonic() - start
+    assert_one_line_error(result, 1, "could not download Qwen/Qwen3-0.6B", MANUAL_DOWNLOAD)
+    assert not (app / "Qwen3-0.6B").exists()
+    assert no_download_leftovers(app) == []
+    print(f"unreachable hub: failed after {elapsed:.2f} s")
+    assert elapsed < 30, f"took {elapsed:.1f} s to give up on a closed port"
+
+
+def test_default_folder_incomplete_offline(app, tiny_model):
+    model_dir = app / "Qwen3-0.6B"
+    model_dir.mkdir()
+    for name in ("config.json", "tokenizer.json", "generation_config.json"):
+        shutil.copy(tiny_model / name, model_dir / name)
+    before = {p.name: p.read_bytes() for p in model_dir.iterdir()}
+    assert_one_line_error(run_cli(cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE="1"), 1,
+                          "could not download Qwen/Qwen3-0.6B", MANUAL_DOWNLOAD, "Qwen3-0.6B")
+    assert {p.name: p.read_bytes() for p in model_dir.iterdir()} == before  # untouched, nothing added
+    assert no_download_leftovers(app) == []
+
+
+def test_default_folder_incomplete_no_download(app, tiny_model):
+    model_dir = app / "Qwen3-0.6B"
+    model_dir.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(tiny_model / name, model_dir / name)
+    assert_one_line_error(run_cli("--no-download", cwd=app, script=app / SCRIPT.name), 1,
+                          "lacks model.safetensors", "--no-download", MANUAL_DOWNLOAD)
+    assert sorted(p.name for p in model_dir.iterdir()) == ["config.json", "tokenizer.json"]
+
+
+class FakeHub:
+    """Just enough of the Hugging Face Hub API, on 127.0.0.1, to serve Qwen/Qwen3-0.6B's files from a folder."""
+
+    COMMIT = "c1899de289a04d12100db370d81485cdf75e47ca"
+
+    def __init__(self, folder, missing=()):
+        self.files = {name: (folder / name).read_bytes() for name in li.MODEL_FILES}
+        self.missing = set(missing)  # answered 404, as if the repo lacked them
+        self.requests = []
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_HEAD(self):
+                self.answer(body=False)
+
+            def do_GET(self):
+                self.answer(body=True)
+
+            def answer(self, body):
+                path = self.path.split("?")[0]
+                hub.requests.append((self.command, path))
+                prefix = f"/{li.HF_REPO}/resolve/"
+                if path == f"/api/models/{li.HF_REPO}":
+                    siblings = [{"rfilename": n, "size": len(d)} for n, d in hub.files.items()]
+                    self.send(200, json.dumps({"id": li.HF_REPO, "sha": hub.COMMIT, "siblings": siblings}).encode(),
+                              body, {"Content-Type": "application/json"})
+                elif path.startswith(prefix) and path.split("/", 5)[-1] in hub.files:
+                    name = path.split("/", 5)[-1]
+                    if name in hub.missing:
+                        self.send(404, b"Entry not found", body, {"X-Error-Code": "EntryNotFound",
+                                                                  "X-Repo-Commit": hub.COMMIT})
+                        return
+                    data = hub.files[name]
+                    self.send(200, data, body, {"X-Repo-Commit": hub.COMMIT,
+                                                "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+                                                "Content-Type": "application/octet-stream"})
+                else:
+                    self.send(404, b"Repository not found", body, {"X-Error-Code": "RepoNotFound"})
+
+            def send(self, code, data, body, headers):
+                self.send_response(code)
+                for key, value in headers.items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if body:
+                    self.wfile.write(data)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_download_from_hub(app, tiny_model, greedy_24):
+    model_dir = app / "Qwen3-0.6B"
+    with FakeHub(tiny_model) as hub:
+        result = run_cli("--max-tokens", 24, cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE=None,
+                         HF_ENDPOINT=hub.url, HF_HUB_DISABLE_PROGRESS_BARS="1")
+    text, lines, n_prompt, n_generated = parse_success((result[0], result[1], result[2].split("\n", 1)[-1]))
+    assert result[2].startswith(f"Downloading {li.HF_REPO} (5 files, ")
+    assert text == greedy_24 and (n_prompt, n_generated) == (5, 24)
+    assert sorted(p.name for p in model_dir.iterdir()) == sorted(li.MODEL_FILES)
+    for name in li.MODEL_FILES:
+        assert (model_dir / name).read_bytes() == (tiny_model / name).read_bytes(), name
+    assert no_download_leftovers(app) == []
+    # Once there, the folder is used as it is: offline is fine.
+    text, _, _, _ = parse_success(run_cli("--max-tokens", 24, cwd=app, script=app / SCRIPT.name))
+    assert text == greedy_24
+
+
+def test_download_failing_midway_leaves_nothing(app, tiny_model):
+    with FakeHub(tiny_model, missing={"model.safetensors"}) as hub:
+        result = run_cli(cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE=None, HF_ENDPOINT=hub.url,
+                         HF_HUB_DISABLE_PROGRESS_BARS="1")
+    # config.json and generation_config.json had already arrived when model.safetensors failed.
+    assert ("GET", f"/{li.HF_REPO}/resolve/main/config.json") in hub.requests
+    rc, out, err = result
+    lines = err.splitlines()
+    assert lines[0].startswith(f"Downloading {li.HF_REPO}")
+    assert_one_line_error((rc, out, "\n".join(lines[1:]) + "\n"), 1, "could not download Qwen/Qwen3-0.6B", MANUAL_DOWNLOAD)
+    assert not (app / "Qwen3-0.6B").exists()
+    assert no_download_leftovers(app) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. Ctrl-C during generation
+# ------------------------------------------------------------------------------------------------
+
+def test_ctrl_c_keeps_text_and_prints_stats(tiny_model, reference, tmp_path):
+    max_tokens = 20000  # far more than can be generated before the interrupt; within the 40960 positions
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--model", str(tiny_model), "--max-tokens", str(max_tokens)],
+        cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=cli_env(tmp_path / ".hf-home"), start_new_session=False,
+        # Python only turns SIGINT into KeyboardInterrupt when it starts with SIGINT at its default action; a
+        # test runner started in the background (`cmd &` in a script) hands its children SIGINT ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    out, err = bytearray(), bytearray()
+
+    def drain(stream, buffer):
+        for chunk in iter(lambda: os.read(stream.fileno(), 65536), b""):
+            buffer += chunk
+
+    readers = [threading.Thread(target=drain, args=(proc.stdout, out)), threading.Thread(target=drain, args=(proc.stderr, err))]
+    for reader in readers:
+        reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(out) < 20 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, f"finished before the interrupt (exit {proc.returncode}): {bytes(err).decode()}"
+        assert len(out) >= 20, "no text within 60 s"
+        before = bytes(out)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for reader in readers:
+            reader.join(timeout=10)
+    stdout, stderr = bytes(out).decode("utf-8"), bytes(err).decode("utf-8")
+    assert "Traceback" not in stderr, stderr
+    assert rc == 130, stderr
+    assert stdout.startswith(before.decode("utf-8", errors="ignore")) and stdout.endswith("\n")
+    last = stderr.splitlines()[-1]
+    assert last.startswith("Interrupted. Prompt: 5 tokens, "), last
+    stats = STATS.search(last)
+    assert stats, last
+    n_generated = int(stats[2])
+    assert 1 <= n_generated < max_tokens
+    # What was printed is the greedy continuation, as far as it got.
+    expected = reference.tokenizer.decode(reference.generate(PROMPT, n_generated), skip_special_tokens=True)
+    assert expected.startswith(stdout[:-1]) and len(stdout[:-1]) > 0

@@ -1,0 +1,160 @@
+"""The whole pipeline against Hugging Face transformers, the reference implementation of Qwen3.
+
+Each random checkpoint (tests/checkpoint.py: real Qwen3 file layout and tokenizer, random weights) is
+loaded twice from the same folder: into transformers.Qwen3ForCausalLM and into llm_inference, both in
+float32. Then, with our fused kernels and with the hand-written reference ops:
+
+* the next-token logits, and the logits at every position of a 22-token prompt, agree to 1e-4;
+* feeding the prompt in two pieces through our KV cache gives the same logits as HF's single pass;
+* greedy decoding produces the same 32 tokens.
+
+Why 1e-4 is tight: the random checkpoints are scaled so that logits have a standard deviation of ~4 and
+extremes of ~20 (checked below), and what we observe is a max difference of ~2e-5, i.e. float32 rounding
+(a few ulps of 20 is ~1e-5) accumulated over differently ordered sums. A real bug is nowhere near that:
+a RoPE pair swapped, a GQA head mapped to the wrong KV head, the untied LM head ignored, a position off by
+one in the cache, or a missing QK-norm change logits by O(1), i.e. 10^4 times the tolerance.
+
+The greedy test needs the random model to produce varied text, or two diverging implementations could
+both emit one repeated token; so it also checks the continuations contain several distinct tokens.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import llm_inference as li
+from tests.checkpoint import TINY_CONFIG, write_checkpoint
+
+TOL = 1e-4  # max abs logit difference; see the module docstring
+N_NEW = 32  # greedy tokens compared
+MIN_DISTINCT = 5  # a continuation with fewer distinct tokens would make the greedy comparison toothless
+
+PROMPTS = {
+    "short": "The capital of France is",
+    "long": "The quick brown fox jumps over the lazy dog, then it runs back into the forest to rest before sunset.",
+}
+
+CHECKPOINTS = {
+    # TINY_CONFIG: 2 layers, 4 query heads sharing 2 KV heads, head_dim 16, tied embeddings.
+    "tied": (TINY_CONFIG, 0),
+    # Separate lm_head.weight: catches a head that silently falls back to the embedding table.
+    "untied": ({**TINY_CONFIG, "tie_word_embeddings": False}, 1),
+    # 4 query heads per KV head, wider heads, an odd number of layers.
+    "gqa4_hd32_3layers": (
+        {**TINY_CONFIG, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+         "num_hidden_layers": 3, "max_window_layers": 3},
+        2,
+    ),
+}
+
+
+@dataclass
+class Case:
+    name: str
+    config: li.Config
+    weights: dict
+    prompts: dict  # name -> token ids
+    hf_logits: dict  # prompt name -> (seq, vocab) float32 numpy, HF's logits at every position
+    hf_greedy: dict  # prompt name -> list of N_NEW ids
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS), ids=list(CHECKPOINTS))
+def case(request, tmp_path_factory):
+    """Build one checkpoint, load it into both implementations, run HF once and keep its results."""
+    torch.set_grad_enabled(False)
+    torch.manual_seed(0)  # nothing in HF's eager float32 path is random; pinned anyway
+    overrides, seed = CHECKPOINTS[request.param]
+    folder = write_checkpoint(tmp_path_factory.mktemp(request.param), overrides, seed=seed)
+
+    # transformers 5 takes `dtype` (`torch_dtype` is its deprecated alias). The file holds bfloat16, which
+    # both sides widen exactly to float32, so both start from bit-identical weights.
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    hf.eval()
+    if not overrides.get("tie_word_embeddings", True):  # make sure HF really uses a separate head
+        assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)
+    # generation_config.json lists <|im_end|>/<|endoftext|> as EOS; drop them so HF always makes N_NEW
+    # tokens, like our generate(..., eos_ids=()). (Unlike min_new_tokens, this does not mask EOS logits,
+    # which would change the greedy choice if EOS ever won.) do_sample=False ignores the file's
+    # temperature/top_k/top_p.
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+
+    config = li.load_config(folder)
+    weights = li.load_weights(folder, config, mx.float32)
+    tokenizer = li.load_tokenizer(folder)
+    prompts = {name: tokenizer.encode(text).ids for name, text in PROMPTS.items()}
+
+    hf_logits, hf_greedy = {}, {}
+    for name, ids in prompts.items():
+        input_ids = torch.tensor([ids])
+        hf_logits[name] = hf(input_ids).logits[0].float().numpy()
+        out = hf.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                          max_new_tokens=N_NEW, eos_token_id=None, pad_token_id=0)
+        hf_greedy[name] = out[0, len(ids):].tolist()
+        assert len(hf_greedy[name]) == N_NEW
+    return Case(request.param, config, weights, prompts, hf_logits, hf_greedy)
+
+
+def max_diff(ours, ref):
+    ours = np.array(ours.astype(mx.float32))
+    assert ours.shape == ref.shape
+    return float(np.abs(ours - ref).max())
+
+
+def test_checkpoint_is_meaningful(case):
+    """The premises of the tolerance and of the greedy test: logits spread over ~O(10), varied text."""
+    assert case.prompts["short"] == [785, 6722, 315, 9625, 374]  # the real Qwen3 tokenization
+    assert 15 <= len(case.prompts["long"]) <= 30
+    for name, logits in case.hf_logits.items():
+        print(f"{case.name}/{name}: HF logits std {logits.std():.2f}, max |logit| {np.abs(logits).max():.1f}")
+        assert logits.std() > 1.0  # so TOL=1e-4 is < 1e-4 relative to a typical logit
+    for name, tokens in case.hf_greedy.items():
+        print(f"{case.name}/{name}: {len(set(tokens))} distinct of {N_NEW} greedy tokens")
+        assert len(set(tokens)) >= MIN_DISTINCT, f"greedy output collapsed: {tokens}"
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference_ops"])
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+def test_last_logits_match_hf(case, prompt, fused):
+    ids = case.prompts[prompt]
+    ours = li.forward(mx.array(ids), case.weights, case.config, li.KVCache(), fused=fused)
+    diff = max_diff(ours, case.hf_logits[prompt][-1])
+    print(f"{case.name}/{prompt}/fused={fused}: last-position max |diff| {diff:.2e}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference_ops"])
+def test_all_logits_match_hf(case, fused):
+    ids = case.prompts["long"]
+    cache = li.KVCache()
+    ours = li.forward(mx.array(ids), case.weights, case.config, cache, last_only=False, fused=fused)
+    assert cache.offset == len(ids)
+    diff = max_diff(ours, case.hf_logits["long"])
+    print(f"{case.name}/long/fused={fused}: all-position max |diff| {diff:.2e}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference_ops"])
+def test_cached_prefill_matches_hf(case, fused):
+    """Prompt fed in two pieces: the second piece's positions, causal mask and keys come from the cache."""
+    ids = case.prompts["long"]
+    split = 9
+    cache = li.KVCache()
+    first = li.forward(mx.array(ids[:split]), case.weights, case.config, cache, last_only=False, fused=fused)
+    second = li.forward(mx.array(ids[split:]), case.weights, case.config, cache, last_only=False, fused=fused)
+    diff = max_diff(mx.concatenate([first, second]), case.hf_logits["long"])
+    print(f"{case.name}/long/fused={fused}: two-piece prefill max |diff| {diff:.2e}")
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference_ops"])
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+def test_greedy_generation_matches_hf(case, prompt, fused):
+    ours = list(li.generate(case.prompts[prompt], case.weights, case.config, N_NEW, temperature=0.0,
+                            eos_ids=(), fused=fused))
+    assert ours == case.hf_greedy[prompt]
+    assert len(set(ours)) >= MIN_DISTINCT
