@@ -67,6 +67,33 @@ def measure_bandwidth(dtype, nbytes=1 << 30):
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
+def step_breakdown(weights, config, model, context=128, steps=30):
+    """Median ms to build one decode step's graph (Python) and to run it (kernels), for both runtimes."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = mx.random.randint(0, config.vocab_size, (context,), key=mx.random.key(1))
+    ours_cache, theirs_cache = li.KVCache(), make_prompt_cache(model)
+    mx.eval(li.forward(prompt, weights, config, ours_cache), model(prompt[None], cache=theirs_cache))
+    builders = {
+        "ours": lambda token: li.forward(token, weights, config, ours_cache),
+        "mlx-lm": lambda token: model(token[None], cache=theirs_cache)[0, -1],
+    }
+    result = {}
+    for name, build in builders.items():
+        build_times, run_times = [], []
+        for i in range(steps):
+            token = mx.array([i])
+            mx.eval(token)
+            start = time.perf_counter()
+            logits = build(token)
+            built = time.perf_counter()
+            mx.eval(logits)
+            build_times.append(built - start)
+            run_times.append(time.perf_counter() - built)
+        result[name] = (statistics.median(build_times) * 1e3, statistics.median(run_times) * 1e3)
+    return result
+
+
 def load_pair(model_dir, dtype):
     """Our weights, and mlx-lm's model holding the very same arrays (so memory is not counted twice)."""
     from mlx_lm.utils import load
@@ -129,7 +156,8 @@ def main():
                for name, rs in results.items()}
         rows.append((length, n, med, same, ceiling))
 
-    print(f"memory bandwidth (1 GiB matrix-vector product): {bandwidth:.0f} GB/s; medians of {args.reps} runs after a warm-up")
+    print(f"memory bandwidth (1 GiB matrix-vector product): {bandwidth:.0f} GB/s; "
+          f"medians of {args.reps} runs after a warm-up")
     print(f"{'prompt':>6} {'runtime':>7} {'TTFT ms':>9} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak GB':>8}")
     for length, n, med, same, ceiling in rows:
         for name in runners:
@@ -142,6 +170,8 @@ def main():
             ratios += f", decode {o['decode'] / t['decode']:.2f}x (ceiling {ceiling:.0f} tok/s)"
         print(f"{'':>6} {'ratio':>7} ours/mlx-lm: {ratios}, peak {o['peak'] / t['peak']:.2f}x; "
               f"greedy tokens identical: {same}/{n}")
+    for name, (build, run) in step_breakdown(weights, config, model).items():
+        print(f"one decode step, {name}: building the graph {build:.2f} ms (Python), running it {run:.2f} ms")
 
 
 if __name__ == "__main__":

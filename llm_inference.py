@@ -6,7 +6,7 @@ Read it top to bottom; every section is one step of the pipeline:
       -> 1. load     config.json + model.safetensors + tokenizer.json
       -> 2. tokenize [785, 6722, 315, 9625, 374]
       -> 3. embed    one 1024-number vector per token                        (seq, 1024)
-      -> 28 x transformer block:
+      -> 8. 28 x transformer block:
            4. RMSNorm   5. RoPE   6. attention (GQA, QK-norm, KV cache)   7. SwiGLU feed-forward
       -> 9. final norm + LM head   one score per vocabulary entry          (151936,)
       -> 10. sample   " Paris"
@@ -55,15 +55,17 @@ class Config:
     rope_theta: float  # 1e6: base of the rotary position frequencies
     rms_norm_eps: float  # 1e-6: keeps RMSNorm from dividing by zero
     tie_word_embeddings: bool  # True: the LM head reuses the embedding table
-    max_position_embeddings: int  # 40960: the longest sequence the model was trained for
+    max_position_embeddings: int  # 40960: the longest sequence the config allows (prompt + reply)
 
 
 def load_config(model_dir):
     path = Path(model_dir) / "config.json"
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}")
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; re-download it")
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON ({e}); re-download it")
     if not isinstance(raw, dict) or raw.get("model_type") != "qwen3":
@@ -150,14 +152,17 @@ def load_generation_config(model_dir):
     if not path.exists():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        generation_config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read {path} ({e}); delete or re-download it")
+    if not isinstance(generation_config, dict):
+        raise UserError(f"{path} is not a JSON object; delete or re-download it")
+    return generation_config
 
 
-def eos_token_ids(model_dir, tokenizer):
+def eos_token_ids(generation_config, tokenizer):
     """Ids that end a reply: <|im_end|> (151645) ends a chat turn, <|endoftext|> (151643) a document."""
-    ids = load_generation_config(model_dir).get("eos_token_id", [])
+    ids = generation_config.get("eos_token_id", [])
     ids = set(ids if isinstance(ids, list) else [ids])
     for token in ("<|im_end|>", "<|endoftext|>"):
         if tokenizer.token_to_id(token) is not None:
@@ -168,6 +173,16 @@ def eos_token_ids(model_dir, tokenizer):
 # ------------------------------------------------------------------------------------------------
 # 2. Tokenize: text -> integer ids (byte-level BPE, in tokenizer.json)
 # ------------------------------------------------------------------------------------------------
+
+def tokenize(tokenizer, text):
+    """Split text into pieces of the vocabulary: "The capital of France is" -> [785, 6722, 315, 9625, 374].
+
+    Byte-level BPE: the text is cut into word-like chunks, and each chunk's UTF-8 bytes are merged pair by
+    pair, following the merge list learned in training (in tokenizer.json), until no merge applies. Any
+    string, emoji included, has an encoding; common words are one token, leading space included (" Paris").
+    """
+    return tokenizer.encode(text).ids
+
 
 def chat_prompt(user, system=None, think=True):
     """Qwen3's chat format, written out by hand: each turn is <|im_start|>role\\n ... <|im_end|>\\n.
@@ -196,7 +211,7 @@ def embed(token_ids, embed_tokens):
 def rms_norm(x, weight, eps, fused=True):
     if fused:  # mx.fast.rms_norm runs the three lines below as one kernel; tests prove them equal
         return mx.fast.rms_norm(x, weight, eps)
-    x32 = x.astype(mx.float32)  # square and average in float32: bfloat16 has only 8 bits of mantissa
+    x32 = x.astype(mx.float32)  # square and average in float32: bfloat16 keeps only 8 significant bits
     x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * x32.astype(x.dtype)
 
@@ -206,12 +221,13 @@ def rms_norm(x, weight, eps, fused=True):
 # ------------------------------------------------------------------------------------------------
 
 def apply_rope(x, offset, theta, fused=True):
-    """Rotate x (heads, seq, head_dim), whose first row sits at absolute position `offset`.
+    """Rotate x (..., seq, head_dim), whose first position sits at absolute position `offset`.
 
-    Channel i is paired with channel i + head_dim/2 (Qwen's "half-split" layout, not adjacent pairs), and
-    the pair is rotated by the angle position * theta^(-2i/head_dim): fast-turning pairs resolve nearby
-    tokens, slow ones far-away tokens. Because rotations compose, the dot product of a rotated query and
-    key depends only on their *distance*, which is what attention needs.
+    Channel i is paired with channel i + head_dim/2 (the "half-split" layout of Hugging Face's rotate_half,
+    traditional=False in MLX; the RoPE paper pairs adjacent channels), and the pair is rotated by the angle
+    position * theta^(-2i/head_dim): fast-turning pairs resolve nearby tokens, slow ones far-away tokens.
+    Because rotations compose, the dot product of a rotated query and key depends on their two positions
+    only through their distance, which is what attention needs.
     """
     head_dim = x.shape[-1]
     if fused:  # one kernel computing exactly the lines below (see tests/test_ops.py)
@@ -235,10 +251,12 @@ CACHE_CHUNK = 256  # the cache grows 256 positions at a time: one copy per chunk
 class KVCache:
     """The keys and values of every past position, per layer, so each new token only computes its own.
 
-    Without it, producing token n would recompute attention inputs for all n previous tokens (quadratic
-    work overall); with it, each step does one token's worth of projections: decoding is linear.
-    Buffers are preallocated (kv_heads, capacity, head_dim) and written in place; `offset` positions are
-    filled. Qwen3-0.6B: 28 layers x 2 (K and V) x 8 heads x 128 x 2 bytes = 112 KiB per token in bfloat16.
+    Without it, producing token n would rerun all n previous tokens through every layer; with it, a step
+    projects only the new token, and only attention still reads all n cached keys: O(n) work per step
+    instead of O(n^2).
+    Buffers are preallocated (1, kv_heads, capacity, head_dim) and written in place; `offset` positions
+    are filled. (The leading 1 is the batch axis MLX's attention kernel expects; kept here so no step has
+    to add it.) Qwen3-0.6B: 28 layers x 2 (K and V) x 8 heads x 128 x 2 bytes = 112 KiB per token (bf16).
     """
 
     keys: list = field(default_factory=list)
@@ -248,17 +266,17 @@ class KVCache:
 
 def reserve_cache(cache, config, n_new, dtype):
     """Make room for n_new more positions, growing every layer's buffers by whole chunks."""
-    capacity = cache.keys[0].shape[1] if cache.keys else 0
+    capacity = cache.keys[0].shape[2] if cache.keys else 0
     if cache.offset + n_new <= capacity:
         return
     extra = math.ceil((cache.offset + n_new - capacity) / CACHE_CHUNK) * CACHE_CHUNK
-    shape = (config.num_key_value_heads, extra, config.head_dim)
+    shape = (1, config.num_key_value_heads, extra, config.head_dim)
     if not cache.keys:
         cache.keys = [mx.zeros(shape, dtype) for _ in range(config.num_hidden_layers)]
         cache.values = [mx.zeros(shape, dtype) for _ in range(config.num_hidden_layers)]
     else:
-        cache.keys = [mx.concatenate([k, mx.zeros(shape, dtype)], axis=1) for k in cache.keys]
-        cache.values = [mx.concatenate([v, mx.zeros(shape, dtype)], axis=1) for v in cache.values]
+        cache.keys = [mx.concatenate([k, mx.zeros(shape, dtype)], axis=2) for k in cache.keys]
+        cache.values = [mx.concatenate([v, mx.zeros(shape, dtype)], axis=2) for v in cache.values]
 
 
 # Speed: decoding one token runs ~40 small operations per layer, each far too small to keep a GPU busy,
@@ -271,13 +289,14 @@ def reserve_cache(cache, config, n_new, dtype):
 @mx.compile
 def qkv_heads(x, input_layernorm, q_proj, k_proj, v_proj, q_norm, k_norm, offset, n_heads, n_kv_heads, eps,
               theta, fused=True):
-    """Queries (heads, seq, head_dim) and keys, values (kv_heads, seq, head_dim) for x (seq, 1024)."""
+    """Queries (1, heads, seq, head_dim) and keys, values (1, kv_heads, seq, head_dim) for x (seq, 1024)."""
     seq, head_dim = x.shape[0], q_norm.shape[0]
     x = rms_norm(x, input_layernorm, eps, fused)  # pre-norm: see transformer_block
-    # Project, then split the last axis into heads and put the head axis first.
-    q = (x @ q_proj.T).reshape(seq, n_heads, head_dim).swapaxes(0, 1)  # (16, seq, 128)
-    k = (x @ k_proj.T).reshape(seq, n_kv_heads, head_dim).swapaxes(0, 1)  # (8, seq, 128)
-    v = (x @ v_proj.T).reshape(seq, n_kv_heads, head_dim).swapaxes(0, 1)  # (8, seq, 128)
+    # Project, split the last axis into heads, and put the head axis before the positions (after the
+    # batch axis of 1 that attention kernels expect).
+    q = (x @ q_proj.T).reshape(1, seq, n_heads, head_dim).swapaxes(1, 2)  # (1, 16, seq, 128)
+    k = (x @ k_proj.T).reshape(1, seq, n_kv_heads, head_dim).swapaxes(1, 2)  # (1, 8, seq, 128)
+    v = (x @ v_proj.T).reshape(1, seq, n_kv_heads, head_dim).swapaxes(1, 2)  # (1, 8, seq, 128)
     # QK-norm (new in Qwen3): RMS-normalise each head's query and key so their dot products cannot blow up.
     # It comes *before* RoPE: the learned per-channel gain must see channels in a fixed frame, and the
     # rotation then mixes channel pairs by position, keeping the norm it just set.
@@ -287,7 +306,7 @@ def qkv_heads(x, input_layernorm, q_proj, k_proj, v_proj, q_norm, k_norm, offset
 
 
 def attention(x, weights, layer, config, cache, fused=True):
-    """The attention heads of layer `layer` for x (seq, 1024) at positions cache.offset, ...: (seq, 16 * 128).
+    """The attention heads of layer `layer` for x (seq, 1024) at positions cache.offset, ...: (1, 16, seq, 128).
 
     Each position's query is compared with the keys of itself and every earlier position; the softmax of
     those scores weights the matching values. block_output projects the heads back to 1024 numbers.
@@ -300,29 +319,27 @@ def attention(x, weights, layer, config, cache, fused=True):
                         mx.array(offset),  # an array, not a constant, so one compiled trace serves every position
                         c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, c.rope_theta, fused)
     # Append this step's keys/values to the cache (in place), then attend over all positions so far.
-    cache.keys[layer][:, offset : offset + seq] = k
-    cache.values[layer][:, offset : offset + seq] = v
-    k = cache.keys[layer][:, : offset + seq]  # (8, total, 128)
-    v = cache.values[layer][:, : offset + seq]
+    cache.keys[layer][:, :, offset : offset + seq] = k
+    cache.values[layer][:, :, offset : offset + seq] = v
+    k = cache.keys[layer][:, :, : offset + seq]  # (1, 8, total, 128), total = offset + seq
+    v = cache.values[layer][:, :, : offset + seq]
     scale = 1 / math.sqrt(c.head_dim)  # keeps the dot products' variance ~1 whatever head_dim is
 
+    # A single new token is the last position: it may see every cached key, so it needs no mask.
     if fused:  # one kernel for the lines below: it handles the head groups and the mask itself
-        out = mx.fast.scaled_dot_product_attention(
-            q[None], k[None], v[None], scale=scale, mask="causal" if seq > 1 else None
-        )[0]
-    else:
-        # Grouped-query attention: 16 query heads share 8 KV heads, 2 each. View q as (8 groups, 2, ...)
-        # and let broadcasting pair each group with its KV head: the cache stores 8 heads, not 16, halving
-        # its memory, and nothing is copied (no `repeat`).
-        group = c.num_attention_heads // c.num_key_value_heads
-        q = q.reshape(c.num_key_value_heads, group, seq, c.head_dim)  # (8, 2, seq, 128)
-        scores = (q * scale) @ k[:, None].swapaxes(-1, -2)  # (8, 2, seq, total)
-        if seq > 1:  # causal mask: the query at position offset+i may look at keys 0 ... offset+i only
-            allowed = mx.arange(offset + seq)[None, :] <= (offset + mx.arange(seq))[:, None]  # (seq, total)
-            scores = mx.where(allowed, scores, -mx.inf)
-        probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)  # exp/sum in float32
-        out = (probs @ v[:, None]).reshape(c.num_attention_heads, seq, c.head_dim)  # (16, seq, 128)
-    return out.swapaxes(0, 1).reshape(seq, c.num_attention_heads * c.head_dim)  # concat heads: (seq, 2048)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal" if seq > 1 else None)
+    # Grouped-query attention: 16 query heads share 8 KV heads, 2 each. View q as (8 groups, 2, ...) and let
+    # broadcasting pair each group with its KV head: the cache stores 8 heads, not 16, halving its memory,
+    # and nothing is copied (no `repeat`).
+    group = c.num_attention_heads // c.num_key_value_heads
+    q = q.reshape(c.num_key_value_heads, group, seq, c.head_dim)  # (8, 2, seq, 128)
+    k, v = k.swapaxes(0, 1), v.swapaxes(0, 1)  # (8, 1, total, 128): one KV head per group
+    scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total)
+    if seq > 1:  # causal mask: the query at position offset+i may look at keys 0 ... offset+i only
+        allowed = mx.arange(offset + seq)[None, :] <= (offset + mx.arange(seq))[:, None]  # (seq, total)
+        scores = mx.where(allowed, scores, -mx.inf)
+    probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)  # exp/sum in float32
+    return (probs @ v).reshape(1, c.num_attention_heads, seq, c.head_dim)  # (1, 16, seq, 128)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -343,6 +360,7 @@ def swiglu(x, gate_proj, up_proj, down_proj):
 @mx.compile
 def block_output(x, heads, o_proj, post_attention_layernorm, gate_proj, up_proj, down_proj, eps, fused=True):
     """The rest of a block after attention: project the heads back and add, then the feed-forward sub-layer."""
+    heads = heads[0].swapaxes(0, 1).reshape(x.shape[0], -1)  # concatenate the heads: (seq, 16 * 128)
     x = x + heads @ o_proj.T  # (seq, 2048) -> (seq, 1024), added to the residual stream
     return x + swiglu(rms_norm(x, post_attention_layernorm, eps, fused), gate_proj, up_proj, down_proj)
 
@@ -356,9 +374,10 @@ def transformer_block(x, weights, layer, config, cache, fused=True):
     """
     p = f"model.layers.{layer}."
     heads = attention(x, weights, layer, config, cache, fused)  # normalises x itself (in qkv_heads)
-    return block_output(x, heads, weights[p + "self_attn.o_proj.weight"], weights[p + "post_attention_layernorm.weight"],
-                        weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"],
-                        weights[p + "mlp.down_proj.weight"], config.rms_norm_eps, fused)
+    return block_output(x, heads, weights[p + "self_attn.o_proj.weight"],
+                        weights[p + "post_attention_layernorm.weight"], weights[p + "mlp.gate_proj.weight"],
+                        weights[p + "mlp.up_proj.weight"], weights[p + "mlp.down_proj.weight"],
+                        config.rms_norm_eps, fused)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -379,7 +398,7 @@ def forward(token_ids, weights, config, cache, last_only=True, fused=True):
         x = x[-1]
     x = rms_norm(x, weights["model.norm.weight"], config.rms_norm_eps, fused)
     head = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
-    return x @ head.T  # (vocab,): a score (logit) per token; softmax turns them into probabilities
+    return x @ head.T  # (vocab,) or (seq, vocab): a score (logit) per token; softmax makes probabilities
 
 
 # ------------------------------------------------------------------------------------------------
@@ -396,7 +415,7 @@ def sample(logits, temperature, top_k, top_p, key):
     logits = logits.astype(mx.float32) / temperature  # < 1 sharpens the distribution, > 1 flattens it
     if 0 < top_k < logits.shape[-1]:  # only the k largest can survive: sort those, not all 151936
         candidates = mx.argpartition(-logits, top_k - 1)[:top_k]
-    else:
+    else:  # no top-k: the whole vocabulary is sorted (top-p needs the order)
         candidates = mx.arange(logits.shape[-1])
     order = candidates[mx.argsort(-logits[candidates])]  # token ids, most likely first
     sorted_logits = logits[order]
@@ -411,7 +430,10 @@ def sample(logits, temperature, top_k, top_p, key):
 # 11. Generate: prefill the prompt once, then decode one token at a time
 # ------------------------------------------------------------------------------------------------
 
-PREFILL_CHUNK = 2048  # long prompts go through in pieces, bounding the memory of one forward pass
+# Long prompts go through in pieces: one piece's attention scores grow with the square of its length, so
+# this bounds the memory of a forward pass (on the H200, a 2048-token prompt peaked at 1.80 GB in pieces
+# of 1024 vs 2.26 GB in one piece, for 28 vs 21 ms to the first token).
+PREFILL_CHUNK = 1024
 
 
 def generate(prompt_ids, weights, config, max_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0,
@@ -442,7 +464,7 @@ def generate(prompt_ids, weights, config, max_tokens, temperature=0.0, top_k=0, 
             mx.async_eval(next_token)
         token_id = token.item()  # waits for step n only
         yield token_id
-        if token_id in eos_ids or n + 1 == max_tokens:
+        if token_id in eos_ids or n + 1 == max_tokens:  # (a step queued after an end token is discarded)
             return
         token = next_token
 
@@ -499,7 +521,10 @@ def find_model(model_arg, allow_download):
     missing = [name for name in NEEDED_FILES if not (model_dir / name).is_file()]
     if not missing:
         return model_dir
-    what = f"model folder {model_dir} not found" if not model_dir.is_dir() else f"{model_dir} lacks {', '.join(missing)}"
+    if model_dir.is_dir():
+        what = f"{model_dir} lacks {', '.join(missing)}"
+    else:
+        what = f"model folder {model_dir} not found"
     if model_arg:  # an explicit folder is never filled with 0.6B files: it may hold another model
         raise UserError(f"{what}; point --model at a folder with {', '.join(NEEDED_FILES)}")
     if not allow_download:
@@ -526,6 +551,8 @@ def pick_dtype(name):
 
 def read_prompt(text):
     if text == "-":  # read the prompt from stdin
+        if sys.stdin.isatty():
+            print("Reading the prompt from the terminal; end it with Ctrl-D.", file=sys.stderr)
         try:
             text = sys.stdin.buffer.read().decode("utf-8")
         except UnicodeDecodeError:
@@ -537,12 +564,13 @@ def read_prompt(text):
 
 
 def print_top_probs(logits, tokenizer, n):
-    """The article's table: the n most likely next tokens and their probabilities."""
+    """A table of the n most likely next tokens and their probabilities (" Paris" first, for the default)."""
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
     top = mx.argsort(-probs)[:n].tolist()
     print(f"{'rank':>4}  {'token':<16} {'id':>7}  probability", file=sys.stderr)
     for rank, token_id in enumerate(top, 1):
-        print(f"{rank:>4}  {tokenizer.decode([token_id])!r:<16} {token_id:>7}  {probs[token_id].item():.4f}",
+        token = tokenizer.decode([token_id], skip_special_tokens=False)  # show <|im_end|> too
+        print(f"{rank:>4}  {token!r:<16} {token_id:>7}  {probs[token_id].item():.4f}",
               file=sys.stderr)
 
 
@@ -553,6 +581,8 @@ def number(kind, low=None, high=None, low_open=False):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if not math.isfinite(value):  # float("nan") parses, and compares False with every bound
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
             bounds = f"{'(' if low_open else '['}{low}, {'inf)' if high is None else f'{high}]'}"
             raise argparse.ArgumentTypeError(f"must be in {bounds}, got {text}")
@@ -571,8 +601,9 @@ def parse_args(argv):
     ap.add_argument("--max-tokens", type=number(int, 1), default=100, help="stop after this many new tokens (100)")
     ap.add_argument("--temperature", type=number(float, 0), help="0 = greedy (default; 0.6 with --chat)")
     ap.add_argument("--top-p", type=number(float, 0, 1, low_open=True), help="nucleus sampling mass (0.95)")
-    ap.add_argument("--top-k", type=number(int, 0), help="keep only the k most likely tokens, 0 = all (0; 20 with --chat)")
-    ap.add_argument("--seed", type=number(int), help="random seed for sampling (default: a fresh one each run)")
+    ap.add_argument("--top-k", type=number(int, 0),
+                    help="keep only the k most likely tokens, 0 = all (0; 20 with --chat)")
+    ap.add_argument("--seed", type=number(int, 0, 2**64 - 1), help="random seed for sampling (default: a fresh one)")
     ap.add_argument("--model", help="model folder (default: ./Qwen3-0.6B, else Qwen3-0.6B next to this script)")
     ap.add_argument("--no-download", action="store_true", help="never download the model, fail instead")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in Qwen3's chat format")
@@ -582,17 +613,17 @@ def parse_args(argv):
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                     help="auto = bfloat16 on a GPU, float32 on the CPU")
     ap.add_argument("--reference-ops", action="store_true",
-                    help="use the hand-written RMSNorm/RoPE/attention instead of MLX's fused kernels (slower, same result)")
+                    help="run the hand-written RMSNorm/RoPE/attention, not MLX's fused kernels (slower)")
     args = ap.parse_args(argv)
     if (args.system or args.no_think) and not args.chat:
         ap.error("--system and --no-think only apply with --chat")
     return args
 
 
-def sampling_settings(args, model_dir):
+def sampling_settings(args, generation_config):
     """Explicit flags win; with --chat, the model's generation_config.json fills the rest (Qwen3: 0.6,
-    0.95, 20); plain completion defaults to greedy decoding, as in the article."""
-    recommended = load_generation_config(model_dir) if args.chat else {}
+    0.95, 20); plain completion defaults to greedy decoding, the most likely token every time."""
+    recommended = generation_config if args.chat else {}
     temperature = args.temperature if args.temperature is not None else recommended.get("temperature", 0.0)
     top_p = args.top_p if args.top_p is not None else recommended.get("top_p", 0.95)
     top_k = args.top_k if args.top_k is not None else recommended.get("top_k", 0)
@@ -608,21 +639,22 @@ def main(argv=None):
     config = load_config(model_dir)
     tokenizer = load_tokenizer(model_dir)
     weights = load_weights(model_dir, config, dtype)
-    eos_ids = eos_token_ids(model_dir, tokenizer)
-    temperature, top_p, top_k, seed = sampling_settings(args, model_dir)
+    generation_config = load_generation_config(model_dir)
+    eos_ids = eos_token_ids(generation_config, tokenizer)
+    temperature, top_p, top_k, seed = sampling_settings(args, generation_config)
 
     text = chat_prompt(prompt, args.system, think=not args.no_think) if args.chat else prompt
-    prompt_ids = tokenizer.encode(text).ids
+    prompt_ids = tokenize(tokenizer, text)
     if len(prompt_ids) + args.max_tokens > config.max_position_embeddings:
-        raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens {args.max_tokens} that exceeds the "
-                        f"model's {config.max_position_embeddings}-token context: shorten it or lower --max-tokens")
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens {args.max_tokens} that exceeds "
+                        f"the model's {config.max_position_embeddings}-token context: shorten it or lower --max-tokens")
 
     c = config
-    print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, {c.num_attention_heads} Q heads, "
-          f"{c.num_key_value_heads} KV heads) on {device_name()}, {str(dtype).split('.')[-1]}", file=sys.stderr)
+    print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, {c.num_attention_heads} Q "
+          f"heads, {c.num_key_value_heads} KV heads) on {device_name()}, {str(dtype).split('.')[-1]}", file=sys.stderr)
     sampling = "greedy" if temperature == 0 else f"temperature {temperature}, top-p {top_p}, top-k {top_k}, seed {seed}"
     print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {sampling}", file=sys.stderr)
-    if args.top_probs:
+    if args.top_probs:  # a separate prompt pass just for the table (one piece: fine for prompts of any sane length)
         print_top_probs(forward(mx.array(prompt_ids), weights, c, KVCache(), fused=not args.reference_ops),
                         tokenizer, args.top_probs)
 
@@ -662,3 +694,6 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # Ctrl-C while loading: no traceback
         print("\nInterrupted.", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail too
+        sys.exit(141)

@@ -109,7 +109,7 @@ class Reference:
         self.config = li.load_config(folder)
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.weights = li.load_weights(folder, self.config, dtype)
-        self.eos_ids = li.eos_token_ids(folder, self.tokenizer)
+        self.eos_ids = li.eos_token_ids(li.load_generation_config(folder), self.tokenizer)
 
     def ids(self, text):
         return self.tokenizer.encode(text).ids

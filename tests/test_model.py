@@ -79,7 +79,7 @@ def test_cached_decoding_equals_recomputing(checkpoint):
     for i in range(250, 270):
         step = li.forward(tokens[i : i + 1], weights, config, cache)
         assert float(mx.abs(step - full[i]).max()) < 1e-4, f"position {i}"
-    assert cache.offset == 270 and cache.keys[0].shape[1] == 2 * li.CACHE_CHUNK
+    assert cache.offset == 270 and cache.keys[0].shape[2] == 2 * li.CACHE_CHUNK
 
 
 def test_chunked_prefill_gives_the_same_tokens(checkpoint, monkeypatch):
@@ -97,7 +97,14 @@ def test_generate_stops_at_end_of_sequence(checkpoint):
     stop = free[5]
     stopped = list(li.generate(ids, weights, config, max_tokens=12, eos_ids={stop}))
     assert stopped == free[: free.index(stop) + 1]  # the end-of-sequence token is yielded, then it stops
-    assert li.eos_token_ids(folder, tokenizer) == {151643, 151645}
+    assert li.eos_token_ids(li.load_generation_config(folder), tokenizer) == {151643, 151645}
+
+
+def test_tokenize_and_chat_tokens(checkpoint):
+    tokenizer = checkpoint[3]
+    assert li.tokenize(tokenizer, "The capital of France is") == [785, 6722, 315, 9625, 374]
+    ids = li.tokenize(tokenizer, li.chat_prompt("Hi", think=False))
+    assert ids[0] == 151644 and 151645 in ids and ids[-4:] == [151667, 271, 151668, 271]
 
 
 def test_seeded_sampling_reproduces(checkpoint):

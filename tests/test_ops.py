@@ -141,7 +141,7 @@ def test_attention_matches_mlx_sdpa(dtype, fused, heads, kv_heads, offset, seq):
     q = rope(norm(heads_of("q_proj.weight", heads), "q_norm.weight"))[:, offset:]
     k = rope(norm(heads_of("k_proj.weight", kv_heads), "k_norm.weight"))
     v = heads_of("v_proj.weight", kv_heads)
-    close(ours, sdpa_reference(q, k, v, offset).swapaxes(0, 1).reshape(seq, heads * c.head_dim), dtype)
+    close(ours, sdpa_reference(q, k, v, offset)[None], dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -189,14 +189,14 @@ def test_kv_cache_grows_in_chunks_and_keeps_contents():
     c = tiny_config()
     cache = li.KVCache()
     li.reserve_cache(cache, c, 3, mx.float32)
-    assert cache.keys[0].shape == (c.num_key_value_heads, li.CACHE_CHUNK, c.head_dim)
-    cache.keys[1][:, :3] = mx.ones((c.num_key_value_heads, 3, c.head_dim))
+    assert cache.keys[0].shape == (1, c.num_key_value_heads, li.CACHE_CHUNK, c.head_dim)
+    cache.keys[1][:, :, :3] = mx.ones((1, c.num_key_value_heads, 3, c.head_dim))
     cache.offset = 3
     li.reserve_cache(cache, c, li.CACHE_CHUNK - 3, mx.float32)  # fits exactly: no growth
-    assert cache.keys[0].shape[1] == li.CACHE_CHUNK
+    assert cache.keys[0].shape[2] == li.CACHE_CHUNK
     li.reserve_cache(cache, c, li.CACHE_CHUNK, mx.float32)  # needs 3 + 256 positions: two chunks
-    assert cache.keys[1].shape[1] == 2 * li.CACHE_CHUNK and len(cache.values) == c.num_hidden_layers
-    assert mx.all(cache.keys[1][:, :3] == 1).item() and mx.all(cache.keys[1][:, 3:] == 0).item()
+    assert cache.keys[1].shape[2] == 2 * li.CACHE_CHUNK and len(cache.values) == c.num_hidden_layers
+    assert mx.all(cache.keys[1][:, :, :3] == 1).item() and mx.all(cache.keys[1][:, :, 3:] == 0).item()
 
 
 def test_chat_prompt_matches_qwen3_template():
