@@ -284,6 +284,9 @@ BAD_FLAGS = [
     (["--max-tokens", "0"], ["--max-tokens", "0"]),
     (["--max-tokens", "2.5"], ["--max-tokens", "2.5"]),
     (["--seed", "abc"], ["--seed", "abc"]),
+    (["--seed", "-1"], ["--seed", "-1"]),
+    (["--temperature", "nan"], ["--temperature", "finite"]),
+    (["--top-p", "inf"], ["--top-p", "finite"]),
     (["--top-probs", "0"], ["--top-probs", "0"]),
     (["--dtype", "int8"], ["--dtype", "int8"]),
     (["--system", "hi"], ["--system", "--chat"]),
@@ -640,3 +643,15 @@ def test_ctrl_c_keeps_text_and_prints_stats(tiny_model, reference, tmp_path):
     # What was printed is the greedy continuation, as far as it got.
     expected = reference.tokenizer.decode(reference.generate(PROMPT, n_generated), skip_special_tokens=True)
     assert expected.startswith(stdout[:-1]) and len(stdout[:-1]) > 0
+
+
+def test_closed_stdout_pipe_ends_quietly(tiny_model, tmp_path):
+    """`python llm_inference.py | head -c 1`: when the reader goes away, exit 141 without a traceback."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--model", str(tiny_model), "--max-tokens", "2000"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=cli_env(tmp_path / ".hf-home"))
+    assert proc.stdout.read(1)
+    proc.stdout.close()
+    stderr = proc.stderr.read().decode("utf-8")
+    assert proc.wait(timeout=120) == 141, stderr
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
