@@ -25,7 +25,8 @@ import llm_inference as li  # noqa: E402
 
 def ours(weights, config):
     def run(prompt, n):
-        return li.generate(prompt, weights, config, max_tokens=n)  # greedy; eos_ids=() never stops early
+        # greedy; eos_ids=() never stops early
+        return (token for token, _ in li.generate(prompt, weights, config, max_tokens=n))
     return run
 
 
@@ -72,7 +73,7 @@ def step_breakdown(weights, config, model, context=128, steps=30):
     from mlx_lm.models.cache import make_prompt_cache
 
     prompt = mx.random.randint(0, config.vocab_size, (context,), key=mx.random.key(1))
-    ours_cache, theirs_cache = li.KVCache(), make_prompt_cache(model)
+    ours_cache, theirs_cache = li.make_cache(config), make_prompt_cache(model)
     mx.eval(li.forward(prompt, weights, config, ours_cache), model(prompt[None], cache=theirs_cache))
     builders = {
         "ours": lambda token: li.forward(token, weights, config, ours_cache),
@@ -94,6 +95,15 @@ def step_breakdown(weights, config, model, context=128, steps=30):
     return result
 
 
+def by_checkpoint_name(weights):
+    """Our weights (short names, per layer) under their Hugging Face checkpoint names."""
+    named = {"model.embed_tokens.weight": weights["embed_tokens"], "model.norm.weight": weights["norm"],
+             "lm_head.weight": weights["lm_head"]}
+    for i, layer in enumerate(weights["layers"]):
+        named |= {f"model.layers.{i}.{li.LAYER_TENSORS[short]}": w for short, w in layer.items()}
+    return named
+
+
 def load_pair(model_dir, dtype):
     """Our weights, and mlx-lm's model holding the very same arrays (so memory is not counted twice)."""
     from mlx_lm.utils import load
@@ -102,7 +112,8 @@ def load_pair(model_dir, dtype):
     weights = li.load_weights(model_dir, config, dtype)
     model, _ = load(str(model_dir))
     names = [name for name, _ in tree_flatten(model.parameters())]
-    model.update(tree_unflatten([(name, weights[name]) for name in names]))
+    named = by_checkpoint_name(weights)
+    model.update(tree_unflatten([(name, named[name]) for name in names]))
     mx.eval(model.parameters())
     return config, weights, model
 
@@ -131,7 +142,8 @@ def main():
             write_checkpoint(model_dir, TINY_CONFIG if args.tiny else None)
         config, weights, model = load_pair(model_dir, dtype)
 
-    weight_bytes = sum(w.nbytes for w in weights.values())
+    unique = {id(w): w for w in by_checkpoint_name(weights).values()}  # a tied head is counted once
+    weight_bytes = sum(w.nbytes for w in unique.values())
     print(f"MLX {mx.__version__}, device {mx.default_device()}, dtype {str(dtype).split('.')[-1]}, "
           f"{config.num_hidden_layers} layers, {weight_bytes / 1e9:.2f} GB of weights")
     runners = {"ours": ours(weights, config), "mlx-lm": mlx_lm_runner(model)}

@@ -1,21 +1,25 @@
-"""How an LLM really generates text: Qwen3-0.6B from its released files, with MLX, in one file.
+"""How an LLM really generates text: Qwen3 from its released files, with MLX, in one file.
 
-Read it top to bottom; every section is one step of the pipeline:
+Part 1 is the model, in the order the data flows through it; Part 2 is the program around it (checking
+the model folder, downloading it, the command line). Stop after Part 1 and you have seen the whole model.
 
     "The capital of France is"
-      -> 1. load     config.json + model.safetensors + tokenizer.json
-      -> 2. tokenize [785, 6722, 315, 9625, 374]
-      -> 3. embed    one 1024-number vector per token                        (seq, 1024)
-      -> 8. 28 x transformer block:
-           4. RMSNorm   5. RoPE   6. attention (GQA, QK-norm, KV cache)   7. SwiGLU feed-forward
-      -> 9. final norm + LM head   one score per vocabulary entry          (151936,)
+      -> 1. load      config.json + model.safetensors + tokenizer.json
+      -> 2. tokenize  [785, 6722, 315, 9625, 374]
+      -> 3. embed     one 1024-number vector per token                        (seq, 1024)
+      -> 28 x 8. transformer block:
+              4. RMSNorm -> 6. attention (5. RoPE, QK-norm, KV cache) -> add back
+              4. RMSNorm -> 7. SwiGLU feed-forward                    -> add back
+      -> 9. final RMSNorm + LM head: a score for each of 151936 tokens        (151936,)
       -> 10. sample   " Paris"
       -> 11. generate: feed " Paris" back in, repeat until <|im_end|>
 
-Shapes are written without a batch dimension, as we generate one sequence at a time (inside attention a
-leading 1 stands for it, because MLX's attention kernel wants one). Where MLX has a fused kernel for a step
-(RMSNorm, RoPE, attention), the function spells out the math and runs the kernel unless fused=False
-(--reference-ops); the tests prove the two equal.
+Shapes are written without a batch axis: we generate one sequence at a time. Sizes are Qwen3-0.6B's.
+
+MLX is lazy. `y = x @ w` records the operation in a graph and returns at once; the arithmetic runs when
+a value is needed (`print(y)`, `y.item()`, `mx.eval(y)`). Two speed tricks in this file build on that:
+generate() queues the next token's work before reading the current one (section 11), and mx.compile
+turns a function's recorded graph into one reusable, fused call (section 12).
 """
 
 import argparse
@@ -26,28 +30,22 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-HF_REPO = "Qwen/Qwen3-0.6B"
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-NEEDED_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # the other two are optional extras
-
-
-class UserError(Exception):
-    """A mistake a person can fix (bad flag, missing file, ...): printed as one line, no traceback."""
-
+# ================================================================================================
+# PART 1: THE MODEL
+# ================================================================================================
 
 # ------------------------------------------------------------------------------------------------
 # 1. Load: the hyper-parameters from config.json, the weights from model.safetensors
 # ------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Config:
+class Config(NamedTuple):  # a NamedTuple, so mx.compile accepts it as an argument (section 12)
     hidden_size: int  # 1024: width of the "residual stream" every layer reads and adds to
     num_hidden_layers: int  # 28 transformer blocks
     num_attention_heads: int  # 16 query heads ...
@@ -58,119 +56,55 @@ class Config:
     rope_theta: float  # 1e6: base of the rotary position frequencies
     rms_norm_eps: float  # 1e-6: keeps RMSNorm from dividing by zero
     tie_word_embeddings: bool  # True: the LM head reuses the embedding table
-    max_position_embeddings: int  # 40960: the longest sequence the config allows (prompt + reply)
+    max_position_embeddings: int  # 40960: the longest sequence the model was built for
 
 
 def load_config(model_dir):
-    path = Path(model_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror or e}")
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text; re-download it")
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e}); re-download it")
-    if not isinstance(raw, dict) or raw.get("model_type") != "qwen3":
-        found = raw.get("model_type") if isinstance(raw, dict) else None
-        raise UserError(f"{path} is not a Qwen3 config (model_type is {found!r}, expected 'qwen3')")
+    raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     # transformers >= 5 writes rope_theta inside a "rope_parameters" dict.
     raw.setdefault("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
-    if raw.get("rope_scaling") or (raw.get("rope_parameters") or {}).get("rope_type", "default") != "default":
-        raise UserError(f"{path} asks for RoPE scaling, which this script does not implement")
-    values = {}
-    for name, kind in Config.__annotations__.items():  # kind: int, float or bool
-        if raw.get(name) is None:
-            raise UserError(f"{path} lacks the required key {name!r}")
-        try:
-            values[name] = kind(raw[name])
-        except (TypeError, ValueError):
-            raise UserError(f"{path}: {name!r} should be a number, got {raw[name]!r}")
-    return Config(**values)
+    return Config(**{name: kind(raw[name]) for name, kind in Config.__annotations__.items()})
 
 
-def weight_shapes(config):
-    """Every tensor the model needs, by its name in the Hugging Face checkpoint, with its shape."""
-    c = config
-    q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (c.hidden_size,),
-            p + "self_attn.q_proj.weight": (q_dim, c.hidden_size),  # Linear weights are (out, in)
-            p + "self_attn.k_proj.weight": (kv_dim, c.hidden_size),
-            p + "self_attn.v_proj.weight": (kv_dim, c.hidden_size),
-            p + "self_attn.q_norm.weight": (c.head_dim,),
-            p + "self_attn.k_norm.weight": (c.head_dim,),
-            p + "self_attn.o_proj.weight": (c.hidden_size, q_dim),
-            p + "post_attention_layernorm.weight": (c.hidden_size,),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-        }
-    return shapes
+# Each layer's tensors, by the short name this file uses -> the name inside the checkpoint.
+LAYER_TENSORS = {
+    "input_layernorm": "input_layernorm.weight",  # (1024,)
+    "q_proj": "self_attn.q_proj.weight",  # (2048, 1024): Linear weights are stored (out, in)
+    "k_proj": "self_attn.k_proj.weight",  # (1024, 1024) = (8 heads * 128, 1024)
+    "v_proj": "self_attn.v_proj.weight",  # (1024, 1024)
+    "q_norm": "self_attn.q_norm.weight",  # (128,)
+    "k_norm": "self_attn.k_norm.weight",  # (128,)
+    "o_proj": "self_attn.o_proj.weight",  # (1024, 2048)
+    "post_attention_layernorm": "post_attention_layernorm.weight",  # (1024,)
+    "gate_proj": "mlp.gate_proj.weight",  # (3072, 1024)
+    "up_proj": "mlp.up_proj.weight",  # (3072, 1024)
+    "down_proj": "mlp.down_proj.weight",  # (1024, 3072)
+}
 
 
 def load_weights(model_dir, config, dtype):
-    """Name -> array, checked against the config and converted to `dtype` (the file stores bfloat16)."""
-    path = Path(model_dir) / "model.safetensors"
-    try:
-        path.open("rb").close()  # a permission problem is not a damaged file: say which it is
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror}")
-    try:
-        tensors = mx.load(str(path))
-    except (RuntimeError, ValueError, OSError) as e:
-        raise UserError(f"{path} is not a readable safetensors file ({e}); re-download it")
-    weights = {}
-    for name, shape in weight_shapes(config).items():
-        if name not in tensors:
-            raise UserError(f"{path} lacks the tensor {name!r}")
-        if tuple(tensors[name].shape) != shape:
-            raise UserError(f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {shape}")
-        weights[name] = tensors[name].astype(dtype)
-    # Tied embeddings: the LM head *is* the embedding table, so no "lm_head.weight" is kept (any copy
-    # in the file is dropped above): 151936 x 1024 numbers saved, 311 MB in bfloat16.
-    try:
-        mx.eval(weights)  # read the file now, so a truncated download fails here and not mid-sentence
-    except RuntimeError as e:
-        raise UserError(f"{path} is damaged ({e}); re-download it")
+    """{"embed_tokens", "norm", "lm_head", "layers": [{"q_proj": ..., ...} x 28]}, converted to dtype."""
+    tensors = mx.load(str(Path(model_dir) / "model.safetensors"))  # lazy: nothing is read yet
+
+    def tensor(name):  # read and convert one tensor at a time, so the file's bfloat16 copy of
+        weight = tensors.pop(name).astype(dtype)  # everything never sits in memory beside
+        mx.eval(weight)  # the converted one (float32 would otherwise peak at 1.5x the weights)
+        return weight
+
+    weights = {
+        "embed_tokens": tensor("model.embed_tokens.weight"),  # (151936, 1024)
+        "layers": [{short: tensor(f"model.layers.{i}.{name}") for short, name in LAYER_TENSORS.items()}
+                   for i in range(config.num_hidden_layers)],
+        "norm": tensor("model.norm.weight"),  # (1024,)
+    }
+    # Tied embeddings: the LM head *is* the embedding table (the same array, not a copy: 311 MB saved).
+    tied = config.tie_word_embeddings
+    weights["lm_head"] = weights["embed_tokens"] if tied else tensor("lm_head.weight")  # (151936, 1024)
     return weights
 
 
 def load_tokenizer(model_dir):
-    path = Path(model_dir) / "tokenizer.json"
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the Rust library raises a plain Exception for any unreadable file
-        raise UserError(f"cannot load {path} ({e}); re-download it")
-
-
-def load_generation_config(model_dir):
-    """generation_config.json: the end-of-sequence ids and Qwen's recommended sampling settings (optional)."""
-    path = Path(model_dir) / "generation_config.json"
-    if not path.exists():
-        return {}
-    try:
-        generation_config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {path} ({e}); delete or re-download it")
-    if not isinstance(generation_config, dict):
-        raise UserError(f"{path} is not a JSON object; delete or re-download it")
-    return generation_config
-
-
-def eos_token_ids(generation_config, tokenizer):
-    """Ids that end a reply: <|im_end|> (151645) ends a chat turn, <|endoftext|> (151643) a document."""
-    ids = generation_config.get("eos_token_id", [])
-    ids = set(ids if isinstance(ids, list) else [ids])
-    for token in ("<|im_end|>", "<|endoftext|>"):
-        if tokenizer.token_to_id(token) is not None:
-            ids.add(tokenizer.token_to_id(token))
-    return ids
+    return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -180,9 +114,9 @@ def eos_token_ids(generation_config, tokenizer):
 def tokenize(tokenizer, text):
     """Split text into pieces of the vocabulary: "The capital of France is" -> [785, 6722, 315, 9625, 374].
 
-    Byte-level BPE: the text is cut into word-like chunks, and each chunk's UTF-8 bytes are merged pair by
-    pair, following the merge list learned in training (in tokenizer.json), until no merge applies. Any
-    string, emoji included, has an encoding; common words are one token, leading space included (" Paris").
+    Byte-level BPE: the text is cut into word-like chunks, and each chunk's UTF-8 bytes are merged pair
+    by pair, following the merge list learned in training (in tokenizer.json), until no merge applies.
+    Any string, emoji included, has an encoding; common words are one token, leading space included.
     """
     return tokenizer.encode(text).ids
 
@@ -192,9 +126,9 @@ def chat_prompt(user, system=None, think=True):
 
     The text ends by opening the assistant's turn, so the model's most likely continuation is a reply.
     Qwen3 first "thinks" inside <think>...</think>; an empty think block (what Qwen's template emits for
-    enable_thinking=False) tells it to answer directly.
+    enable_thinking=False) tells it to answer directly. An empty system message is still a turn.
     """
-    text = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+    text = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
     text += f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
     return text if think else text + "<think>\n\n</think>\n\n"
 
@@ -207,212 +141,230 @@ def embed(token_ids, embed_tokens):
     return embed_tokens[token_ids]  # (seq,) ids -> (seq, 1024)
 
 
+# Three steps below (RMSNorm, RoPE, attention) are written out as math, several MLX operations each.
+# MLX also ships each one as a single fused kernel computing the same numbers, which is faster (one pass
+# over memory instead of several); the tests prove the two equal. This flag picks the kernels; the
+# command line's --reference-ops clears it, once, before anything runs.
+FUSED_KERNELS = True
+
+
 # ------------------------------------------------------------------------------------------------
 # 4. RMSNorm: rescale each vector to unit root-mean-square, then by a learned per-channel gain
 # ------------------------------------------------------------------------------------------------
 
-def rms_norm(x, weight, eps, fused=True):
-    if fused:  # mx.fast.rms_norm runs the three lines below as one kernel; tests prove them equal
-        return mx.fast.rms_norm(x, weight, eps)
-    x32 = x.astype(mx.float32)  # square and average in float32: bfloat16 keeps only 8 significant bits
-    x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
+def rms_norm(x, weight, eps):
+    """x / sqrt(mean(x^2) + eps) * weight, over the last axis. Keeps every layer's input at one scale."""
+    if not FUSED_KERNELS:
+        x32 = x.astype(mx.float32)  # square and average in float32: bfloat16 keeps 8 significant bits
+        x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return weight * x32.astype(x.dtype)
+    return mx.fast.rms_norm(x, weight, eps)
 
 
 # ------------------------------------------------------------------------------------------------
 # 5. RoPE: encode a token's position by rotating pairs of its query/key channels
 # ------------------------------------------------------------------------------------------------
 
-def apply_rope(x, offset, theta, fused=True):
-    """Rotate x (..., seq, head_dim), whose first position sits at absolute position `offset`.
+def apply_rope(x, offset, theta):
+    """Rotate x (heads, seq, head_dim), whose first position sits at absolute position `offset`.
 
-    Channel i is paired with channel i + head_dim/2 (the "half-split" layout of Hugging Face's rotate_half,
-    traditional=False in MLX; the RoPE paper pairs adjacent channels), and the pair is rotated by the angle
+    Channel i is paired with channel i + head_dim/2 (the "half-split" layout of Hugging Face's
+    rotate_half; the RoPE paper pairs neighbours), and the pair is rotated by the angle
     position * theta^(-2i/head_dim): fast-turning pairs resolve nearby tokens, slow ones far-away tokens.
     Because rotations compose, the dot product of a rotated query and key depends on their two positions
     only through their distance, which is what attention needs.
     """
     head_dim = x.shape[-1]
-    if fused:  # one kernel computing exactly the lines below (see tests/test_ops.py)
-        return mx.fast.rope(x, head_dim, traditional=False, base=theta, scale=1.0, offset=offset)
-    inv_freq = theta ** (-mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)  # (64,)
-    positions = (offset + mx.arange(x.shape[-2])).astype(mx.float32)  # (seq,); offset may be an mx.array
-    angles = positions[:, None] * inv_freq[None, :]  # (seq, 64)
-    cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
-    x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2 :]
-    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    if not FUSED_KERNELS:
+        inv_freq = theta ** (-mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)  # (64,)
+        positions = (offset + mx.arange(x.shape[-2])).astype(mx.float32)  # (seq,)
+        angles = positions[:, None] * inv_freq[None, :]  # (seq, 64)
+        cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
+        x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2 :]
+        return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return mx.fast.rope(x, head_dim, traditional=False, base=theta, scale=1.0, offset=offset)
 
 
 # ------------------------------------------------------------------------------------------------
-# 6. Attention, with grouped-query heads, QK-norm and a KV cache
+# 6. Attention: every position gathers information from itself and the positions before it
 # ------------------------------------------------------------------------------------------------
+#
+# Each position emits three vectors per head: a query ("what am I looking for?"), a key ("what do I
+# contain?") and a value ("what do I pass on if chosen?"). A position's output is a weighted average of
+# the values, weighted by how well its query matches each key:
+#
+#     softmax(Q Kᵀ / √head_dim) · V         (dividing by √128 keeps the scores' variance near 1)
+#
+# A dot product cannot tell where tokens are: shuffle the keys and the weights shuffle with them. So
+# positions are mixed into the queries and keys with RoPE (section 5), and a causal mask keeps each
+# position from seeing later ones: when it was trained, the model had to predict them.
+#
+# Heads: 16 query heads look for different things in parallel. Multi-head attention gives each query
+# head its own key/value head (16 K/V heads); multi-query attention shares one among all; Qwen3 uses
+# the middle ground, grouped-query attention: 8 K/V heads, each shared by 2 query heads. That halves the
+# keys and values to compute and to keep, compared with 16 K/V heads, at almost no loss in quality.
 
-CACHE_CHUNK = 256  # the cache grows 256 positions at a time: one copy per chunk, not one per token
-
-
-@dataclass
 class KVCache:
-    """The keys and values of every past position, per layer, so each new token only computes its own.
+    """One layer's keys and values for every position so far, so that a new token computes only its own.
 
-    Without it, producing token n would rerun all n previous tokens through every layer; with it, a step
-    projects only the new token, and only attention still reads all n cached keys: O(n) work per step
-    instead of O(n^2).
-    Buffers are preallocated (1, kv_heads, capacity, head_dim) and written in place; `offset` positions
-    are filled. (The leading 1 is the batch axis MLX's attention kernel expects; kept here so no step has
-    to add it.) Qwen3-0.6B: 28 layers x 2 (K and V) x 8 heads x 128 x 2 bytes = 112 KiB per token (bf16).
+    Without a cache, producing token n re-runs all n earlier tokens through every weight matrix of every
+    layer, and the work per step grows with the sequence. With it, a step pushes one token through the
+    weights, and only attention still reads all n cached keys and values.
+
+    Buffers (8 heads, capacity, 128) are preallocated and written in place; `offset` positions are
+    filled. Qwen3-0.6B, bfloat16: 28 layers x 2 (K and V) x 8 heads x 128 x 2 bytes = 112 KiB per token.
     """
 
-    keys: list = field(default_factory=list)
-    values: list = field(default_factory=list)
-    offset: int = 0
+    GROWTH = 256  # positions added at a time: one copy per 256 tokens, not one per token
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.offset = 0
+
+    def update_and_fetch(self, k, v):
+        """Store k, v (8, seq, 128) at positions offset, offset+1, ...; return all keys and values so far."""
+        n_kv_heads, seq, head_dim = k.shape
+        capacity = 0 if self.keys is None else self.keys.shape[1]
+        if self.offset + seq > capacity:  # grow by whole chunks of GROWTH positions
+            extra = math.ceil((self.offset + seq - capacity) / self.GROWTH) * self.GROWTH
+            empty = mx.zeros((n_kv_heads, extra, head_dim), k.dtype)
+            if self.keys is None:
+                self.keys, self.values = empty, mx.zeros_like(empty)  # two buffers, written separately
+            else:
+                self.keys = mx.concatenate([self.keys, empty], axis=1)
+                self.values = mx.concatenate([self.values, empty], axis=1)
+        self.keys[:, self.offset : self.offset + seq] = k
+        self.values[:, self.offset : self.offset + seq] = v
+        self.offset += seq
+        return self.keys[:, : self.offset], self.values[:, : self.offset]  # (8, total, 128)
 
 
-def reserve_cache(cache, config, n_new, dtype):
-    """Make room for n_new more positions, growing every layer's buffers by whole chunks."""
-    capacity = cache.keys[0].shape[2] if cache.keys else 0
-    if cache.offset + n_new <= capacity:
-        return
-    extra = math.ceil((cache.offset + n_new - capacity) / CACHE_CHUNK) * CACHE_CHUNK
-    shape = (1, config.num_key_value_heads, extra, config.head_dim)
-    if not cache.keys:
-        cache.keys = [mx.zeros(shape, dtype) for _ in range(config.num_hidden_layers)]
-        cache.values = [mx.zeros(shape, dtype) for _ in range(config.num_hidden_layers)]
-    else:
-        cache.keys = [mx.concatenate([k, mx.zeros(shape, dtype)], axis=2) for k in cache.keys]
-        cache.values = [mx.concatenate([v, mx.zeros(shape, dtype)], axis=2) for v in cache.values]
+def make_cache(config):
+    return [KVCache() for _ in range(config.num_hidden_layers)]
 
 
-# Speed: decoding one token runs ~40 small operations per layer, each far too small to keep a GPU busy,
-# so their fixed cost (Python building the graph, one kernel launch each) limits tokens per second, not
-# arithmetic. mx.compile traces a function once per input shape and afterwards replays it as one call,
-# fusing element-wise operations into single kernels. So a block is cut into three: qkv_heads and
-# block_output (section 8) are compiled; only the cache work in between runs op by op, because its shapes
-# change at every position. Compiled functions take arrays and plain numbers, hence explicit parameters.
+def attend(q, k, v):
+    """softmax(q kᵀ / √d) v for q (16, seq, 128) against k, v (8, total, 128): (16, seq, 128).
 
-@mx.compile
-def qkv_heads(x, input_layernorm, q_proj, k_proj, v_proj, q_norm, k_norm, offset, n_heads, n_kv_heads, eps,
-              theta, fused=True):
-    """Queries (1, heads, seq, head_dim) and keys, values (1, kv_heads, seq, head_dim) for x (seq, 1024)."""
-    seq, head_dim = x.shape[0], q_norm.shape[0]
-    x = rms_norm(x, input_layernorm, eps, fused)  # pre-norm: see transformer_block
-    # Project, split the last axis into heads, and put the head axis before the positions (after the
-    # batch axis of 1 that attention kernels expect).
-    q = (x @ q_proj.T).reshape(1, seq, n_heads, head_dim).swapaxes(1, 2)  # (1, 16, seq, 128)
-    k = (x @ k_proj.T).reshape(1, seq, n_kv_heads, head_dim).swapaxes(1, 2)  # (1, 8, seq, 128)
-    v = (x @ v_proj.T).reshape(1, seq, n_kv_heads, head_dim).swapaxes(1, 2)  # (1, 8, seq, 128)
-    # QK-norm (new in Qwen3): RMS-normalise each head's query and key so their dot products cannot blow up.
-    # It comes *before* RoPE: the learned per-channel gain must see channels in a fixed frame, and the
-    # rotation then mixes channel pairs by position, keeping the norm it just set.
-    q = apply_rope(rms_norm(q, q_norm, eps, fused), offset, theta, fused)
-    k = apply_rope(rms_norm(k, k_norm, eps, fused), offset, theta, fused)
-    return q, k, v
-
-
-def attention(x, weights, layer, config, cache, fused=True):
-    """The attention heads of layer `layer` for x (seq, 1024) at positions cache.offset, ...: (1, 16, seq, 128).
-
-    Each position's query is compared with the keys of itself and every earlier position; the softmax of
-    those scores weights the matching values. block_output projects the heads back to 1024 numbers.
+    The queries are the last `seq` of the `total` positions; each may look at keys up to its own.
     """
-    c, p = config, f"model.layers.{layer}."
-    seq, offset = x.shape[0], cache.offset
-    q, k, v = qkv_heads(x, weights[p + "input_layernorm.weight"], weights[p + "self_attn.q_proj.weight"],
-                        weights[p + "self_attn.k_proj.weight"], weights[p + "self_attn.v_proj.weight"],
-                        weights[p + "self_attn.q_norm.weight"], weights[p + "self_attn.k_norm.weight"],
-                        mx.array(offset),  # an array, not a constant, so one compiled trace serves every position
-                        c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, c.rope_theta, fused)
-    # Append this step's keys/values to the cache (in place), then attend over all positions so far.
-    cache.keys[layer][:, :, offset : offset + seq] = k
-    cache.values[layer][:, :, offset : offset + seq] = v
-    k = cache.keys[layer][:, :, : offset + seq]  # (1, 8, total, 128), total = offset + seq
-    v = cache.values[layer][:, :, : offset + seq]
-    scale = 1 / math.sqrt(c.head_dim)  # keeps the dot products' variance ~1 whatever head_dim is
-
-    # A single new token is the last position: it may see every cached key, so it needs no mask.
-    if fused:  # one kernel for the lines below: it handles the head groups and the mask itself
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal" if seq > 1 else None)
-    # Grouped-query attention: 16 query heads share 8 KV heads, 2 each. View q as (8 groups, 2, ...) and let
-    # broadcasting pair each group with its KV head: the cache stores 8 heads, not 16, halving its memory,
-    # and nothing is copied (no `repeat`).
-    group = c.num_attention_heads // c.num_key_value_heads
-    q = q.reshape(c.num_key_value_heads, group, seq, c.head_dim)  # (8, 2, seq, 128)
-    k, v = k.swapaxes(0, 1), v.swapaxes(0, 1)  # (8, 1, total, 128): one KV head per group
-    scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total)
-    if seq > 1:  # causal mask: the query at position offset+i may look at keys 0 ... offset+i only
-        allowed = mx.arange(offset + seq)[None, :] <= (offset + mx.arange(seq))[:, None]  # (seq, total)
+    n_heads, seq, head_dim = q.shape
+    n_kv_heads, total, _ = k.shape
+    scale = 1 / math.sqrt(head_dim)
+    if not FUSED_KERNELS:
+        # Grouped-query attention by broadcasting: view q as (8 groups, 2 heads, ...) and k, v as
+        # (8, 1, ...), so each group of 2 query heads meets its one K/V head, and nothing is copied.
+        q = q.reshape(n_kv_heads, n_heads // n_kv_heads, seq, head_dim)  # (8, 2, seq, 128)
+        k, v = k[:, None], v[:, None]  # (8, 1, total, 128)
+        scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total)
+        # Causal mask: query i sits at position total-seq+i and may see keys 0 ... total-seq+i.
+        allowed = mx.arange(total)[None, :] <= (total - seq + mx.arange(seq))[:, None]  # (seq, total)
         scores = mx.where(allowed, scores, -mx.inf)
-    probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)  # exp/sum in float32
-    return (probs @ v).reshape(1, c.num_attention_heads, seq, c.head_dim)  # (1, 16, seq, 128)
+        weights = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)  # exp/sum in float32
+        return (weights @ v).reshape(n_heads, seq, head_dim)
+    # The kernel wants a batch axis, and handles the head groups and the mask itself. A single new
+    # token is the last position: it may see every key, so it needs no mask.
+    out = mx.fast.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale,
+                                               mask="causal" if seq > 1 else None)
+    return out[0]
+
+
+def queries_keys_values(x, layer, config, offset):
+    """The first half of attention: x (seq, 1024) at positions offset, offset+1, ... -> q, k, v."""
+    c, seq = config, x.shape[0]
+    # Project each position to its queries, keys and values, and split them into heads.
+    q = (x @ layer["q_proj"].T).reshape(seq, c.num_attention_heads, c.head_dim)  # (seq, 16, 128)
+    k = (x @ layer["k_proj"].T).reshape(seq, c.num_key_value_heads, c.head_dim)  # (seq, 8, 128)
+    v = (x @ layer["v_proj"].T).reshape(seq, c.num_key_value_heads, c.head_dim)  # (seq, 8, 128)
+    q, k, v = q.swapaxes(0, 1), k.swapaxes(0, 1), v.swapaxes(0, 1)  # heads first: (16 or 8, seq, 128)
+    # QK-norm (new in Qwen3): RMS-normalise each head's queries and keys. Without it, query and key
+    # sizes can creep up during training until the softmax saturates and training turns unstable; with
+    # it, their scale is set by two small learned gains. It comes before RoPE because the gain is per
+    # channel: a rotation mixes channel pairs, and RMSNorm after it would no longer see fixed channels.
+    q = apply_rope(rms_norm(q, layer["q_norm"], c.rms_norm_eps), offset, c.rope_theta)
+    k = apply_rope(rms_norm(k, layer["k_norm"], c.rms_norm_eps), offset, c.rope_theta)
+    return q, k, v  # (16, seq, 128), (8, seq, 128), (8, seq, 128)
+
+
+def attention(x, layer, config, cache):
+    """x (seq, 1024), already normalised -> (seq, 1024): what each position gathers from the others."""
+    # The offset goes in as an array: the compiled queries_keys_values (section 12) is then traced
+    # once, not once per position.
+    q, k, v = queries_keys_values(x, layer, config, mx.array(cache.offset))
+    k, v = cache.update_and_fetch(k, v)  # (8, total, 128): the earlier positions' and these
+    heads = attend(q, k, v)  # (16, seq, 128)
+    # Concatenate the heads back into one vector per position, and mix them with the output projection.
+    return heads.swapaxes(0, 1).reshape(x.shape[0], -1) @ layer["o_proj"].T  # (seq, 2048) -> (seq, 1024)
 
 
 # ------------------------------------------------------------------------------------------------
 # 7. SwiGLU feed-forward: a gated two-layer MLP applied to each position on its own
 # ------------------------------------------------------------------------------------------------
 
-def swiglu(x, gate_proj, up_proj, down_proj):
-    gate = x @ gate_proj.T  # (seq, 3072)
-    up = x @ up_proj.T  # (seq, 3072)
-    # silu(g) = g * sigmoid(g) decides, per channel, how much of `up` passes through.
-    return (gate * mx.sigmoid(gate) * up) @ down_proj.T  # (seq, 1024)
+def swiglu(x, layer):
+    """(seq, 1024) -> (seq, 3072) and back: where most of the model's knowledge is stored.
+
+    Attention moves information between positions; this thinks about each position alone. It widens to
+    3072 channels (3x) to have room for many features at once, then projects back. silu(g) = g * σ(g) is
+    a smooth ReLU, not a 0-1 switch: it lets through positive gate values almost unchanged and squashes
+    negative ones towards 0. Multiplying it with a second projection (`up`) is the "gated linear unit".
+    """
+    gate = x @ layer["gate_proj"].T  # (seq, 3072)
+    up = x @ layer["up_proj"].T  # (seq, 3072)
+    return (gate * mx.sigmoid(gate) * up) @ layer["down_proj"].T  # (seq, 1024)
 
 
 # ------------------------------------------------------------------------------------------------
-# 8. Transformer block: attention then feed-forward, each on a normalised copy added back (residual)
+# 8. Transformer block: attention, then feed-forward, each added back to the residual stream
 # ------------------------------------------------------------------------------------------------
 
-@mx.compile
-def block_output(x, heads, o_proj, post_attention_layernorm, gate_proj, up_proj, down_proj, eps, fused=True):
-    """The rest of a block after attention: project the heads back and add, then the feed-forward sub-layer."""
-    heads = heads[0].swapaxes(0, 1).reshape(x.shape[0], -1)  # concatenate the heads: (seq, 16 * 128)
-    x = x + heads @ o_proj.T  # (seq, 2048) -> (seq, 1024), added to the residual stream
-    return x + swiglu(rms_norm(x, post_attention_layernorm, eps, fused), gate_proj, up_proj, down_proj)
+def transformer_block(x, layer, config, cache):
+    """x (seq, 1024) -> (seq, 1024).
 
-
-def transformer_block(x, weights, layer, config, cache, fused=True):
-    """x (seq, 1024) -> x + attention(norm(x)) -> that + swiglu(norm(that)), keeping the shape.
-
-    Pre-norm: each sub-layer reads a normalised copy of the residual stream x and *adds* its result to x,
-    never normalising x itself, so information (and, in training, gradient) flows straight from the
+    Pre-norm: each sub-layer reads a normalised copy of the residual stream x and *adds* its result to
+    x, never normalising x itself, so information (and, in training, gradient) flows straight from the
     embedding to the last layer.
     """
-    p = f"model.layers.{layer}."
-    heads = attention(x, weights, layer, config, cache, fused)  # normalises x itself (in qkv_heads)
-    return block_output(x, heads, weights[p + "self_attn.o_proj.weight"],
-                        weights[p + "post_attention_layernorm.weight"], weights[p + "mlp.gate_proj.weight"],
-                        weights[p + "mlp.up_proj.weight"], weights[p + "mlp.down_proj.weight"],
-                        config.rms_norm_eps, fused)
+    eps = config.rms_norm_eps
+    h = x + attention(rms_norm(x, layer["input_layernorm"], eps), layer, config, cache)
+    return h + swiglu(rms_norm(h, layer["post_attention_layernorm"], eps), layer)
 
 
 # ------------------------------------------------------------------------------------------------
 # 9. Forward: embed -> 28 blocks -> final norm -> LM head
 # ------------------------------------------------------------------------------------------------
 
-def forward(token_ids, weights, config, cache, last_only=True, fused=True):
-    """Logits for the positions of token_ids (seq,), which continue the sequence held in `cache`.
+def forward(token_ids, weights, config, cache, last_only=True):
+    """Logits for token_ids (seq,), which continue the sequence already held in `cache`.
 
     Returns (vocab,) scores for the next token, or (seq, vocab) for every position if not last_only.
     """
-    x = embed(token_ids, weights["model.embed_tokens.weight"])  # (seq, 1024)
-    reserve_cache(cache, config, len(token_ids), x.dtype)
-    for layer in range(config.num_hidden_layers):
-        x = transformer_block(x, weights, layer, config, cache, fused)
-    cache.offset += len(token_ids)
-    if last_only:  # generation only needs the next token: skip (seq-1) x 151936 useless dot products
+    x = embed(token_ids, weights["embed_tokens"])  # (seq, 1024)
+    for layer, layer_cache in zip(weights["layers"], cache):
+        x = transformer_block(x, layer, config, layer_cache)
+    if last_only:  # generation needs only the next token: skip (seq-1) x 151936 useless dot products
         x = x[-1]
-    x = rms_norm(x, weights["model.norm.weight"], config.rms_norm_eps, fused)
-    head = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
-    return x @ head.T  # (vocab,) or (seq, vocab): a score (logit) per token; softmax makes probabilities
+    x = rms_norm(x, weights["norm"], config.rms_norm_eps)
+    return x @ weights["lm_head"].T  # (vocab,) or (seq, vocab): a score (logit) per token
 
 
 # ------------------------------------------------------------------------------------------------
 # 10. Sample: pick the next token from the logits
 # ------------------------------------------------------------------------------------------------
 
-def sample(logits, temperature, top_k, top_p, key):
+class Sampling(NamedTuple):
+    temperature: float = 0.0  # 0 = greedy: always the most likely token
+    top_k: int = 0  # keep the k most likely tokens (0 = all)
+    top_p: float = 1.0  # then the smallest set of those whose probability reaches top_p
+    seed: int = 0  # the random stream, so a run can be repeated
+
+
+def sample(logits, sampling, key):
     """Temperature 0 = greedy (argmax). Otherwise softmax(logits / temperature), restricted to the top_k
-    most likely tokens (0 = no limit), then to the smallest set of those whose renormalised probability
-    reaches top_p (the token that crosses the threshold is kept), as Hugging Face transformers does;
-    renormalised again and sampled with the random `key`."""
+    most likely tokens, then to the smallest set of those whose renormalised probability reaches top_p
+    (the token that crosses the threshold is kept), as Hugging Face transformers does; renormalised
+    again and sampled with the random `key`."""
+    temperature, top_k, top_p, _ = sampling
     if temperature == 0:
         return mx.argmax(logits, axis=-1)
     logits = logits.astype(mx.float32) / temperature  # < 1 sharpens the distribution, > 1 flattens it
@@ -433,47 +385,223 @@ def sample(logits, temperature, top_k, top_p, key):
 # 11. Generate: prefill the prompt once, then decode one token at a time
 # ------------------------------------------------------------------------------------------------
 
-# Long prompts go through in pieces: one piece's attention scores grow with the square of its length, so
-# this bounds the memory of a forward pass (on the H200, a 2048-token prompt peaked at 1.80 GB in pieces
-# of 1024 vs 2.26 GB in one piece, for 28 vs 21 ms to the first token).
+# A long prompt goes through in pieces: attention scores grow with the square of a piece's length, so
+# this bounds the memory of one forward pass, for a little speed (README, Performance).
 PREFILL_CHUNK = 1024
 
 
-def generate(prompt_ids, weights, config, max_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0,
-             eos_ids=(), fused=True):
-    """Yield generated token ids one at a time, stopping after an end-of-sequence id or max_tokens."""
-    cache, key = KVCache(), mx.random.key(seed)
-    prompt = mx.array(prompt_ids)
+def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(), use_cache=True):
+    """Yield (token id, the logits it was sampled from), one token at a time, until an id in eos_ids
+    (yielded too) or max_tokens. use_cache=False recomputes the whole sequence at every step."""
+    cache, key = make_cache(config), mx.random.key(sampling.seed)
+    sequence = mx.array(prompt_ids)  # every token so far; only the cache-less path reads it
 
-    def step(token_ids):  # tokens -> (lazy) next token; nothing runs until MLX is asked for a value
+    def next_logits(new_ids):
+        nonlocal sequence
+        if use_cache:  # only the new tokens go through the model; the cache supplies the rest
+            return forward(new_ids, weights, config, cache)
+        sequence = mx.concatenate([sequence, new_ids])  # no cache: the whole sequence, every time
+        return forward(sequence, weights, config, make_cache(config))
+
+    def next_token(logits):
         nonlocal key
         key, sample_key = mx.random.split(key)
-        return sample(forward(token_ids, weights, config, cache, fused=fused), temperature, top_k, top_p, sample_key)
+        return sample(logits, sampling, sample_key)
 
-    # Prefill: the prompt's tokens are known, so all of them go through each layer together (big,
-    # efficient matrix products); it fills the cache and gives the first new token.
-    while len(prompt) > PREFILL_CHUNK:
-        forward(prompt[:PREFILL_CHUNK], weights, config, cache, fused=fused)
-        mx.eval(cache.keys, cache.values)  # run this chunk now, so its activations can be freed
-        prompt = prompt[PREFILL_CHUNK:]
-    token = step(prompt)
+    # Prefill: the prompt's tokens are all known, so they go through each layer together (big, efficient
+    # matrix products); this fills the cache and gives the logits for the first new token.
+    prompt = sequence
+    if use_cache:
+        while len(prompt) > PREFILL_CHUNK:
+            forward(prompt[:PREFILL_CHUNK], weights, config, cache)
+            mx.eval([(c.keys, c.values) for c in cache])  # run this piece now, freeing its activations
+            prompt = prompt[PREFILL_CHUNK:]
+        logits = forward(prompt, weights, config, cache)
+    else:
+        logits = forward(prompt, weights, config, make_cache(config))
+    token = next_token(logits)
     mx.async_eval(token)
-    # Decode: each step feeds the previous token back in. MLX is lazy, so we *build* step n+1 from the
-    # not-yet-computed token n and queue it (async_eval) before waiting for token n: the GPU never idles
-    # while Python prepares the next step.
+    # Decode: feed each new token back in. MLX is lazy, so step n+1 is *built* from the not-yet-computed
+    # token n and queued (async_eval) before we wait for token n: the GPU never idles while Python
+    # prepares the next step.
     for n in range(max_tokens):
         if n + 1 < max_tokens:
-            next_token = step(token[None])  # (1,): a one-token sequence
-            mx.async_eval(next_token)
+            following_logits = next_logits(token[None])  # (1,): a one-token sequence
+            following = next_token(following_logits)
+            mx.async_eval(following)
         token_id = token.item()  # waits for step n only
-        yield token_id
-        if token_id in eos_ids or n + 1 == max_tokens:  # (a step queued after an end token is discarded)
+        yield token_id, logits
+        if token_id in eos_ids or n + 1 == max_tokens:  # (a step queued after an end token is dropped)
             return
-        token = next_token
+        token, logits = following, following_logits
 
 
 # ------------------------------------------------------------------------------------------------
-# The command line: python llm_inference.py --prompt "..." [flags]
+# 12. Compilation: the same functions, fewer and fused kernels
+# ------------------------------------------------------------------------------------------------
+#
+# Decoding one token is many small operations per layer, each far too small to keep a GPU busy, so
+# their fixed costs (Python recording the graph, one kernel launch each) limit the speed, not the
+# arithmetic. mx.compile traces a function once per input shape and dtype, then replays the recorded
+# graph as one call, fusing element-wise steps into single kernels. We compile the two functions that
+# see the same shapes at every decoding step: queries_keys_values and swiglu. The rest of attention
+# cannot be: the keys and values it reads grow by one position per token.
+#
+# While tracing, the arrays are placeholders: a print() inside a compiled function shows a shape once
+# per trace, and print(x) of values fails. mx.disable_compile() (--no-compile) runs them op by op.
+
+queries_keys_values = mx.compile(queries_keys_values)
+swiglu = mx.compile(swiglu)
+
+
+# ================================================================================================
+# PART 2: THE PROGRAM AROUND IT
+# ================================================================================================
+
+HF_REPO = "Qwen/Qwen3-0.6B"
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+               "tokenizer_config.json")
+NEEDED_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # the other two are optional
+
+
+class UserError(Exception):
+    """A mistake a person can fix (bad flag, missing file, ...): printed as one line, no traceback."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Checking the model folder: everything Part 1's loaders assume, each failure one line
+# ------------------------------------------------------------------------------------------------
+
+def check_config(model_dir):
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}")
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; re-download it")
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); re-download it")
+    if not isinstance(raw, dict) or raw.get("model_type") != "qwen3":
+        found = raw.get("model_type") if isinstance(raw, dict) else None
+        raise UserError(f"{path} is not a Qwen3 config (model_type is {found!r}, expected 'qwen3')")
+    rope = raw.get("rope_parameters") or {}
+    unsupported = {  # variants Part 1 does not implement: refuse them rather than run them wrong
+        "RoPE scaling": raw.get("rope_scaling") or rope.get("rope_type", "default") != "default",
+        "attention bias (attention_bias: true)": raw.get("attention_bias"),
+        "sliding-window attention (use_sliding_window: true)": raw.get("use_sliding_window"),
+    }
+    for feature, asked in unsupported.items():
+        if asked:
+            raise UserError(f"{path} asks for {feature}, which this script does not implement")
+    raw.setdefault("rope_theta", rope.get("rope_theta"))
+    for name, kind in Config.__annotations__.items():  # kind: int, float or bool
+        if raw.get(name) is None:
+            raise UserError(f"{path} lacks the required key {name!r}")
+        try:
+            kind(raw[name])
+        except (TypeError, ValueError):
+            raise UserError(f"{path}: {name!r} should be a number, got {raw[name]!r}")
+
+
+def weight_shapes(config):
+    """Every tensor Part 1 loads, by its name in the Hugging Face checkpoint, with its shape."""
+    c = config
+    q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer_shapes = {
+        "input_layernorm": (c.hidden_size,), "post_attention_layernorm": (c.hidden_size,),
+        "q_proj": (q_dim, c.hidden_size), "k_proj": (kv_dim, c.hidden_size),
+        "v_proj": (kv_dim, c.hidden_size), "o_proj": (c.hidden_size, q_dim),
+        "q_norm": (c.head_dim,), "k_norm": (c.head_dim,),
+        "gate_proj": (c.intermediate_size, c.hidden_size), "up_proj": (c.intermediate_size, c.hidden_size),
+        "down_proj": (c.hidden_size, c.intermediate_size),
+    }
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+              "model.norm.weight": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_hidden_layers):
+        shapes |= {f"model.layers.{i}.{LAYER_TENSORS[short]}": shape for short, shape in layer_shapes.items()}
+    return shapes
+
+
+def check_weights(model_dir, config):
+    """Read model.safetensors' header (a length, then JSON: name -> dtype, shape, byte range) and check
+    every tensor Part 1 needs is there, with the right shape, inside the file. No weight is read."""
+    path = Path(model_dir) / "model.safetensors"
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            header_size = int.from_bytes(f.read(8), "little")
+            header = f.read(header_size) if 8 + header_size <= size else b""
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}")
+    try:
+        header = json.loads(header.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        raise UserError(f"{path} is not a readable safetensors file (no valid header); re-download it")
+    for name, shape in weight_shapes(config).items():
+        entry = header.get(name)
+        if not isinstance(entry, dict):
+            raise UserError(f"{path} lacks the tensor {name!r}")
+        if tuple(entry.get("shape", ())) != shape:
+            raise UserError(f"{path}: tensor {name!r} has shape {tuple(entry.get('shape', ()))}, "
+                            f"expected {shape}")
+        if entry.get("dtype") not in ("BF16", "F16", "F32"):
+            raise UserError(f"{path}: tensor {name!r} is stored as {entry.get('dtype')}, "
+                            "expected BF16, F16 or F32")
+        if 8 + header_size + entry.get("data_offsets", [0, math.inf])[1] > size:
+            raise UserError(f"{path} is damaged (it ends inside tensor {name!r}: an interrupted "
+                            "download?); re-download it")
+
+
+def load_generation_config(model_dir):
+    """generation_config.json: the end-of-sequence ids and Qwen's recommended sampling (optional)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return {}
+    try:
+        generation_config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path} ({e}); delete or re-download it")
+    if not isinstance(generation_config, dict):
+        raise UserError(f"{path} is not a JSON object; delete or re-download it")
+    return {key: value for key, value in generation_config.items() if value is not None}  # null = unset
+
+
+def eos_token_ids(generation_config, tokenizer):
+    """Ids that end a reply: <|im_end|> (151645) ends a chat turn, <|endoftext|> (151643) a document."""
+    ids = generation_config.get("eos_token_id", [])
+    ids = set(ids if isinstance(ids, list) else [ids])
+    for token in ("<|im_end|>", "<|endoftext|>"):
+        if tokenizer.token_to_id(token) is not None:
+            ids.add(tokenizer.token_to_id(token))
+    return ids
+
+
+def load_model(model_dir, dtype):
+    """Part 1's loaders, after checking what they assume: (config, weights, tokenizer, generation config)."""
+    check_config(model_dir)
+    config = load_config(model_dir)
+    check_weights(model_dir, config)
+    path = Path(model_dir) / "tokenizer.json"
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except Exception as e:  # the Rust library raises a plain Exception for any unreadable file
+        raise UserError(f"cannot load {path} ({e}); re-download it")
+    generation_config = load_generation_config(model_dir)
+    path = Path(model_dir) / "model.safetensors"
+    try:
+        weights = load_weights(model_dir, config, dtype)
+    except (RuntimeError, ValueError, OSError) as e:  # e.g. a read error halfway through the file
+        raise UserError(f"{path} is damaged ({e}); re-download it")
+    return config, weights, tokenizer, generation_config
+
+
+# ------------------------------------------------------------------------------------------------
+# Downloading the default model
 # ------------------------------------------------------------------------------------------------
 
 def default_model_dir():
@@ -500,8 +628,8 @@ def download_model(model_dir):
         info = huggingface_hub.HfApi().model_info(HF_REPO, files_metadata=True)
         sizes = {s.rfilename: s.size or 0 for s in info.siblings}
         total = sum(sizes.get(name, 0) for name in MODEL_FILES)
-        print(f"Downloading {HF_REPO} ({len(MODEL_FILES)} files, {total / 1e9:.2f} GB) into {model_dir}/",
-              file=sys.stderr)
+        print(f"Downloading {HF_REPO} ({len(MODEL_FILES)} files, {total / 1e9:.2f} GB) "
+              f"into {model_dir}/", file=sys.stderr)
         model_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.download-", dir=model_dir.parent))
         for name in MODEL_FILES:
@@ -539,6 +667,79 @@ def find_model(model_arg, allow_download):
     return model_dir
 
 
+# ------------------------------------------------------------------------------------------------
+# Experiments: --top-probs and --trace
+# ------------------------------------------------------------------------------------------------
+
+def print_top_probs(logits, tokenizer, n):
+    """A table of the n most likely next tokens and their probabilities (" Paris" first, for the default)."""
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+    top = mx.argsort(-probs)[:n].tolist()
+    print(f"{'rank':>4}  {'token':<16} {'id':>7}  probability", file=sys.stderr)
+    for rank, token_id in enumerate(top, 1):
+        token = tokenizer.decode([token_id], skip_special_tokens=False)  # show <|im_end|> too
+        print(f"{rank:>4}  {token!r:<16} {token_id:>7}  {probs[token_id].item():.4f}", file=sys.stderr)
+
+
+def describe(value):
+    if isinstance(value, mx.array):
+        return f"{tuple(value.shape)} {str(value.dtype).split('.')[-1]}"
+    return repr(value) if isinstance(value, (int, float)) else type(value).__name__
+
+
+def trace(prompt_ids, weights, config, tokenizer):
+    """--trace: one forward pass over the prompt, narrated as it runs.
+
+    Part 1 stays untouched: for this one pass, its functions are swapped (in this module's namespace,
+    where forward() looks them up) for wrappers that print each call's inputs and output. Block 0 is
+    shown call by call, every block by the size (RMS) of the residual stream it leaves. The wrappers
+    sit outside the compiled functions (swiglu is traced as one step), so this works with compilation
+    on: inside a compiled function values do not exist yet, outside they do.
+    """
+    log = lambda text: print(text, file=sys.stderr)
+    names = ("embed", "rms_norm", "apply_rope", "queries_keys_values", "attend", "attention", "swiglu")
+    originals = {name: globals()[name] for name in names}
+    original_block, original_update = transformer_block, KVCache.update_and_fetch
+    block = [0]  # the block being run
+
+    def wrap(name, function):
+        def traced(*args):
+            out = function(*args)
+            if block[0] == 0 or name == "embed":
+                arrays = [describe(a) for a in args if isinstance(a, mx.array)]
+                outs = out if isinstance(out, tuple) else (out,)
+                log(f"  {name:<18} {', '.join(arrays):<42} -> {', '.join(describe(o) for o in outs)}")
+            return out
+        return traced
+
+    def traced_block(x, layer, config, cache):
+        if block[0] == 0:
+            log("block 0, call by call:")
+        out = original_block(x, layer, config, cache)
+        rms = mx.sqrt(mx.mean(out.astype(mx.float32) ** 2)).item()  # runs the block now
+        log(f"block {block[0]:>2} done: residual stream {describe(out)}, RMS {rms:.3f}")
+        block[0] += 1
+        return out
+
+    pieces = " ".join(repr(tokenizer.decode([i])) for i in prompt_ids)
+    log(f"tokens: {len(prompt_ids)} ids {prompt_ids}\n        {pieces}")
+    globals().update({name: wrap(name, fn) for name, fn in originals.items()})
+    globals()["transformer_block"] = traced_block
+    KVCache.update_and_fetch = wrap("cache.update_and_fetch", original_update)
+    try:
+        logits = forward(mx.array(prompt_ids), weights, config, make_cache(config))
+        mx.eval(logits)
+    finally:
+        globals().update(originals, transformer_block=original_block)
+        KVCache.update_and_fetch = original_update
+    log(f"final RMSNorm + LM head -> logits {describe(logits)}; the next token's probabilities:")
+    print_top_probs(logits, tokenizer, 5)
+
+
+# ------------------------------------------------------------------------------------------------
+# The command line: python llm_inference.py --prompt "..." [flags]
+# ------------------------------------------------------------------------------------------------
+
 def device_name():
     if mx.default_device() != mx.gpu:
         return "cpu"
@@ -546,11 +747,21 @@ def device_name():
 
 
 def pick_dtype(name):
-    """'auto' = bfloat16 on a GPU; float32 on the CPU, where MLX runs bfloat16 through a slow path (a
-    matrix-vector product read 2.7 GB/s of bfloat16 vs 9.5 GB/s of float32 on a 2-core x86 machine)."""
+    """'auto' = bfloat16 on a GPU; float32 on the CPU, where MLX runs bfloat16 through a slow path
+    (README, Platforms)."""
     if name == "auto":
         return mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     return getattr(mx, name)
+
+
+def checked_text(text, what):
+    """Text from the command line. Bytes that are not UTF-8 (say, cut mid-character) arrive as lone
+    surrogates, which the tokenizer would only reject after the model has loaded."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{what} is not valid UTF-8 text (cut in the middle of a character?)")
+    return text
 
 
 def read_prompt(text):
@@ -562,20 +773,10 @@ def read_prompt(text):
         except UnicodeDecodeError:
             raise UserError("the prompt on stdin is not valid UTF-8 text")
         text = text[:-1] if text.endswith("\n") else text  # `echo ... |` adds a newline nobody typed
+    checked_text(text, "--prompt")
     if not text.strip():
         raise UserError("the prompt is empty; pass some text with --prompt")
     return text
-
-
-def print_top_probs(logits, tokenizer, n):
-    """A table of the n most likely next tokens and their probabilities (" Paris" first, for the default)."""
-    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-    top = mx.argsort(-probs)[:n].tolist()
-    print(f"{'rank':>4}  {'token':<16} {'id':>7}  probability", file=sys.stderr)
-    for rank, token_id in enumerate(top, 1):
-        token = tokenizer.decode([token_id], skip_special_tokens=False)  # show <|im_end|> too
-        print(f"{rank:>4}  {token!r:<16} {token_id:>7}  {probs[token_id].item():.4f}",
-              file=sys.stderr)
 
 
 def number(kind, low=None, high=None, low_open=False):
@@ -584,10 +785,12 @@ def number(kind, low=None, high=None, low_open=False):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+            expected = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         if not math.isfinite(value):  # float("nan") parses, and compares False with every bound
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-        if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high):
             bounds = f"{'(' if low_open else '['}{low}, {'inf)' if high is None else f'{high}]'}"
             raise argparse.ArgumentTypeError(f"must be in {bounds}, got {text}")
         return value
@@ -600,26 +803,37 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    ap = ArgumentParser(prog="llm_inference.py", description="Generate text with Qwen3-0.6B on MLX.")
-    ap.add_argument("--prompt", default="The capital of France is", help="the text to continue ('-' reads stdin)")
-    ap.add_argument("--max-tokens", type=number(int, 1), default=100, help="stop after this many new tokens (100)")
+    ap = ArgumentParser(prog="llm_inference.py", description="Generate text with Qwen3 on MLX.")
+    ap.add_argument("--prompt", default="The capital of France is",
+                    help="the text to continue ('-' reads stdin)")
+    ap.add_argument("--max-tokens", type=number(int, 1), default=100,
+                    help="stop after this many new tokens (100)")
     ap.add_argument("--temperature", type=number(float, 0), help="0 = greedy (default; 0.6 with --chat)")
     ap.add_argument("--top-p", type=number(float, 0, 1, low_open=True), help="nucleus sampling mass (0.95)")
     ap.add_argument("--top-k", type=number(int, 0),
                     help="keep only the k most likely tokens, 0 = all (0; 20 with --chat)")
-    ap.add_argument("--seed", type=number(int, 0, 2**64 - 1), help="random seed for sampling (default: a fresh one)")
+    ap.add_argument("--seed", type=number(int, 0, 2**64 - 1),
+                    help="random seed for sampling (default: a fresh one)")
     ap.add_argument("--model", help="model folder (default: ./Qwen3-0.6B, else Qwen3-0.6B next to this script)")
     ap.add_argument("--no-download", action="store_true", help="never download the model, fail instead")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in Qwen3's chat format")
     ap.add_argument("--system", help="system message for --chat")
     ap.add_argument("--no-think", action="store_true", help="with --chat: skip Qwen3's <think> reasoning")
-    ap.add_argument("--top-probs", type=number(int, 1), metavar="N", help="first print the N most likely next tokens")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                     help="auto = bfloat16 on a GPU, float32 on the CPU")
-    ap.add_argument("--reference-ops", action="store_true",
-                    help="run the hand-written RMSNorm/RoPE/attention, not MLX's fused kernels (slower)")
+    experiments = ap.add_argument_group("experiments (README, Experiments)")
+    experiments.add_argument("--top-probs", type=number(int, 1), metavar="N",
+                             help="print the N most likely first tokens and their probabilities")
+    experiments.add_argument("--trace", action="store_true",
+                             help="narrate one forward pass over the prompt (shapes, dtypes, sizes), then stop")
+    experiments.add_argument("--no-cache", action="store_true",
+                             help="recompute the whole sequence at every step instead of using the KV cache")
+    experiments.add_argument("--no-compile", action="store_true",
+                             help="run every operation one by one, so print() inside the model works")
+    experiments.add_argument("--reference-ops", action="store_true",
+                             help="run the hand-written RMSNorm/RoPE/attention, not MLX's fused kernels")
     args = ap.parse_args(argv)
-    if (args.system or args.no_think) and not args.chat:
+    if (args.system is not None or args.no_think) and not args.chat:
         ap.error("--system and --no-think only apply with --chat")
     return args
 
@@ -632,45 +846,55 @@ def sampling_settings(args, generation_config):
     top_p = args.top_p if args.top_p is not None else recommended.get("top_p", 0.95)
     top_k = args.top_k if args.top_k is not None else recommended.get("top_k", 0)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    return float(temperature), float(top_p), int(top_k), seed
+    return Sampling(float(temperature), int(top_k), float(top_p), seed)
 
 
 def main(argv=None):
+    global FUSED_KERNELS
     args = parse_args(argv)
     prompt = read_prompt(args.prompt)
+    system = checked_text(args.system, "--system") if args.system is not None else None
     model_dir = find_model(args.model, allow_download=not args.no_download)
     dtype = pick_dtype(args.dtype)
-    config = load_config(model_dir)
-    tokenizer = load_tokenizer(model_dir)
-    weights = load_weights(model_dir, config, dtype)
-    generation_config = load_generation_config(model_dir)
+    config, weights, tokenizer, generation_config = load_model(model_dir, dtype)
     eos_ids = eos_token_ids(generation_config, tokenizer)
-    temperature, top_p, top_k, seed = sampling_settings(args, generation_config)
+    sampling = sampling_settings(args, generation_config)
+    FUSED_KERNELS = not args.reference_ops  # set once, before anything runs or is compiled
+    if args.no_compile:
+        mx.disable_compile()
 
-    text = chat_prompt(prompt, args.system, think=not args.no_think) if args.chat else prompt
+    text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
     prompt_ids = tokenize(tokenizer, text)
     if len(prompt_ids) + args.max_tokens > config.max_position_embeddings:
-        raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens {args.max_tokens} that exceeds "
-                        f"the model's {config.max_position_embeddings}-token context: shorten it or lower --max-tokens")
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens {args.max_tokens} "
+                        f"that exceeds the model's {config.max_position_embeddings}-token context: "
+                        "shorten it or lower --max-tokens")
 
     c = config
-    print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, {c.num_attention_heads} Q "
-          f"heads, {c.num_key_value_heads} KV heads) on {device_name()}, {str(dtype).split('.')[-1]}", file=sys.stderr)
-    sampling = "greedy" if temperature == 0 else f"temperature {temperature}, top-p {top_p}, top-k {top_k}, seed {seed}"
-    print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {sampling}", file=sys.stderr)
-    if args.top_probs:  # a separate prompt pass just for the table (one piece: fine for prompts of any sane length)
-        print_top_probs(forward(mx.array(prompt_ids), weights, c, KVCache(), fused=not args.reference_ops),
-                        tokenizer, args.top_probs)
+    print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
+          f"{c.num_attention_heads} Q heads, {c.num_key_value_heads} KV heads) on {device_name()}, "
+          f"{str(dtype).split('.')[-1]}", file=sys.stderr)
+    if sampling.temperature == 0:
+        how = "greedy"
+    else:
+        how = (f"temperature {sampling.temperature}, top-p {sampling.top_p}, top-k {sampling.top_k}, "
+               f"seed {sampling.seed}")
+    print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {how}", file=sys.stderr)
+    if args.trace:
+        trace(prompt_ids, weights, config, tokenizer)
+        return 0
 
     # Stream: print each piece as soon as it is decoded. DecodeStream holds back bytes of a character
     # split across tokens (emoji, CJK) until the character is complete, so nothing prints as garbage.
     stream, n_generated, interrupted = DecodeStream(skip_special_tokens=True), 0, False
     start = first = time.perf_counter()
     try:
-        for token_id in generate(prompt_ids, weights, config, args.max_tokens, temperature, top_k, top_p, seed,
-                                 eos_ids, fused=not args.reference_ops):
+        for token_id, logits in generate(prompt_ids, weights, config, args.max_tokens, sampling, eos_ids,
+                                         use_cache=not args.no_cache):
             if n_generated == 0:
                 first = time.perf_counter()  # prefill done: time to first token
+                if args.top_probs:  # the very logits the first token was sampled from
+                    print_top_probs(logits, tokenizer, args.top_probs)
             n_generated += 1
             piece = stream.step(tokenizer, token_id)
             if piece:

@@ -114,9 +114,10 @@ class Reference:
     def ids(self, text):
         return self.tokenizer.encode(text).ids
 
-    def generate(self, text, max_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0, fused=True):
-        return list(li.generate(self.ids(text), self.weights, self.config, max_tokens, temperature, top_k, top_p,
-                                seed, self.eos_ids, fused=fused))
+    def generate(self, text, max_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0):
+        sampling = li.Sampling(temperature, top_k, top_p, seed)
+        return [t for t, _ in li.generate(self.ids(text), self.weights, self.config, max_tokens, sampling,
+                                          self.eos_ids)]
 
     def text(self, *args, **kwargs):
         return self.tokenizer.decode(self.generate(*args, **kwargs), skip_special_tokens=True)
@@ -197,7 +198,8 @@ def test_top_probs_table(tiny_model, reference, greedy_24, tmp_path):
     assert all(a >= b for a, b in zip(probs, probs[1:])), probs
     assert probs[0] > probs[-1] and 0 < sum(probs) <= 1
     # The same five tokens as the model's own next-token distribution, rank 1 being greedy's first token.
-    logits = li.forward(mx.array(reference.ids(PROMPT)), reference.weights, reference.config, li.KVCache())
+    logits = li.forward(mx.array(reference.ids(PROMPT)), reference.weights, reference.config,
+                        li.make_cache(reference.config))
     top5 = mx.argsort(-logits)[:5].tolist()
     assert [int(m[3]) for m in parsed] == top5
     assert top5[0] == reference.generate(PROMPT, 2)[0]
@@ -272,6 +274,56 @@ def test_context_limit_is_inclusive(tiny_model, variant, tmp_path):
     assert (n_prompt, n_generated) == (5, 11)
 
 
+def test_no_cache_and_no_compile_give_the_same_greedy_text(tiny_model, greedy_24, tmp_path):
+    for flags in (["--no-cache"], ["--no-compile"], ["--no-cache", "--no-compile", "--reference-ops"]):
+        text, _, _, n_generated = parse_success(run_cli("--model", tiny_model, "--max-tokens", 24, *flags,
+                                                        cwd=tmp_path))
+        assert (text, n_generated) == (greedy_24, 24), flags
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-compile"]], ids=["compiled", "not compiled"])
+def test_trace_narrates_one_forward_pass(tiny_model, reference, tmp_path, flags):
+    rc, out, err = run_cli("--model", tiny_model, "--trace", *flags, cwd=tmp_path)
+    assert rc == 0 and out == "" and "Traceback" not in err, err
+    lines = err.splitlines()
+    assert "tokens: 5 ids [785, 6722, 315, 9625, 374]" in lines
+    c = reference.config
+    # Block 0 call by call, in pipeline order, with the shapes of this checkpoint (no batch axis).
+    steps = [line.split()[0] for line in lines[lines.index("block 0, call by call:") + 1:] if line.startswith("  ")]
+    assert steps[:10] == ["rms_norm", "rms_norm", "apply_rope", "rms_norm", "apply_rope", "queries_keys_values",
+                          "cache.update_and_fetch", "attend", "attention", "rms_norm"], steps
+    assert steps[10] == "swiglu"
+    attend = next(line for line in lines if line.startswith("  attend"))
+    assert f"-> ({c.num_attention_heads}, 5, {c.head_dim}) float32" in attend
+    done = [line for line in lines if re.match(r"block +\d+ done: residual stream \(5, 64\) float32, RMS [\d.]+$", line)]
+    assert len(done) == c.num_hidden_layers
+    # The top-5 table ends the trace, headed by greedy's first token.
+    table = lines[lines.index("rank  token                 id  probability") + 1:]
+    assert len(table) == 5 and int(table[0].split()[-2]) == reference.generate(PROMPT, 1)[0]
+
+
+def test_prompt_argument_not_utf8_fails_before_loading(tmp_path):
+    """Bytes cut mid-character arrive as lone surrogates; caught before the (missing) model is looked at."""
+    cut = os.fsdecode("café".encode()[:-1])  # b"caf\xc3"
+    assert_one_line_error(run_cli("--model", tmp_path / "absent", "--prompt", cut, cwd=tmp_path), 1,
+                          "--prompt", "not valid UTF-8")
+
+
+def test_empty_system_message_is_kept(tiny_model, reference, tmp_path):
+    chat = "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    _, lines, n_prompt, _ = parse_success(run_cli("--model", tiny_model, "--chat", "--system", "", "--prompt", "Hi",
+                                                  "--max-tokens", 2, "--seed", 1, cwd=tmp_path))
+    assert n_prompt == len(reference.ids(chat))
+
+
+def test_null_generation_config_values_are_unset(tiny_model, variant, tmp_path):
+    folder = variant(generation_config_json={"temperature": None, "top_p": None, "top_k": None,
+                                             "eos_token_id": None})
+    _, lines, _, _ = parse_success(run_cli("--model", folder, "--chat", "--prompt", "Hi", "--max-tokens", 3,
+                                           cwd=tmp_path))
+    assert lines[1].endswith("greedy")  # no recommended temperature: plain greedy decoding
+
+
 # ------------------------------------------------------------------------------------------------
 # 2. Bad input: one line on stderr, no traceback, exit 2 for flags and 1 for everything else
 # ------------------------------------------------------------------------------------------------
@@ -290,6 +342,7 @@ BAD_FLAGS = [
     (["--top-probs", "0"], ["--top-probs", "0"]),
     (["--dtype", "int8"], ["--dtype", "int8"]),
     (["--system", "hi"], ["--system", "--chat"]),
+    (["--system", ""], ["--system", "--chat"]),
     (["--no-think"], ["--no-think", "--chat"]),
     (["--bogus"], ["--bogus"]),
 ]
@@ -356,6 +409,13 @@ def test_config_value_not_a_number(tiny_model, variant, tmp_path):
 def test_config_rope_scaling(tiny_model, variant, tmp_path):
     folder = variant(config_json=tiny_config(tiny_model) | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "RoPE scaling")
+
+
+@pytest.mark.parametrize("key, phrase", [("attention_bias", "attention bias"),
+                                         ("use_sliding_window", "sliding-window attention")])
+def test_config_unsupported_variant(tiny_model, variant, tmp_path, key, phrase):
+    folder = variant(config_json=tiny_config(tiny_model) | {key: True})
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, phrase, "does not implement")
 
 
 @pytest.mark.parametrize("keep", ["half", "header only", "4 bytes"])

@@ -28,6 +28,7 @@ import transformers
 
 import llm_inference as li
 from tests.checkpoint import TINY_CONFIG, write_checkpoint
+from tests.kernels import kernels
 
 TOL = 1e-4  # max abs logit difference; see the module docstring
 N_NEW = 32  # greedy tokens compared
@@ -121,7 +122,8 @@ def test_checkpoint_is_meaningful(case):
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 def test_last_logits_match_hf(case, prompt, fused):
     ids = case.prompts[prompt]
-    ours = li.forward(mx.array(ids), case.weights, case.config, li.KVCache(), fused=fused)
+    with kernels(fused):
+        ours = li.forward(mx.array(ids), case.weights, case.config, li.make_cache(case.config))
     diff = max_diff(ours, case.hf_logits[prompt][-1])
     print(f"{case.name}/{prompt}/fused={fused}: last-position max |diff| {diff:.2e}")
     assert diff <= TOL
@@ -130,9 +132,10 @@ def test_last_logits_match_hf(case, prompt, fused):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference_ops"])
 def test_all_logits_match_hf(case, fused):
     ids = case.prompts["long"]
-    cache = li.KVCache()
-    ours = li.forward(mx.array(ids), case.weights, case.config, cache, last_only=False, fused=fused)
-    assert cache.offset == len(ids)
+    cache = li.make_cache(case.config)
+    with kernels(fused):
+        ours = li.forward(mx.array(ids), case.weights, case.config, cache, last_only=False)
+    assert all(layer_cache.offset == len(ids) for layer_cache in cache)
     diff = max_diff(ours, case.hf_logits["long"])
     print(f"{case.name}/long/fused={fused}: all-position max |diff| {diff:.2e}")
     assert diff <= TOL
@@ -143,9 +146,10 @@ def test_cached_prefill_matches_hf(case, fused):
     """Prompt fed in two pieces: the second piece's positions, causal mask and keys come from the cache."""
     ids = case.prompts["long"]
     split = 9
-    cache = li.KVCache()
-    first = li.forward(mx.array(ids[:split]), case.weights, case.config, cache, last_only=False, fused=fused)
-    second = li.forward(mx.array(ids[split:]), case.weights, case.config, cache, last_only=False, fused=fused)
+    cache = li.make_cache(case.config)
+    with kernels(fused):
+        first = li.forward(mx.array(ids[:split]), case.weights, case.config, cache, last_only=False)
+        second = li.forward(mx.array(ids[split:]), case.weights, case.config, cache, last_only=False)
     diff = max_diff(mx.concatenate([first, second]), case.hf_logits["long"])
     print(f"{case.name}/long/fused={fused}: two-piece prefill max |diff| {diff:.2e}")
     assert diff <= TOL
@@ -154,7 +158,7 @@ def test_cached_prefill_matches_hf(case, fused):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference_ops"])
 @pytest.mark.parametrize("prompt", list(PROMPTS))
 def test_greedy_generation_matches_hf(case, prompt, fused):
-    ours = list(li.generate(case.prompts[prompt], case.weights, case.config, N_NEW, temperature=0.0,
-                            eos_ids=(), fused=fused))
+    with kernels(fused):
+        ours = [t for t, _ in li.generate(case.prompts[prompt], case.weights, case.config, N_NEW, eos_ids=())]
     assert ours == case.hf_greedy[prompt]
     assert len(set(ours)) >= MIN_DISTINCT

@@ -8,6 +8,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 import llm_inference as li
 from tests.checkpoint import TINY_CONFIG, write_checkpoint
+from tests.kernels import kernels
 
 CONFIGS = {
     "tied": TINY_CONFIG,
@@ -23,6 +24,21 @@ def checkpoint(request, tmp_path_factory):
     return folder, config, li.load_weights(folder, config, mx.float32), li.load_tokenizer(folder)
 
 
+def test_weights_are_held_per_layer_under_short_names(checkpoint):
+    folder, config, weights, _ = checkpoint
+    stored = mx.load(str(folder / "model.safetensors"))
+    assert len(weights["layers"]) == config.num_hidden_layers
+    for i, layer in enumerate(weights["layers"]):
+        assert set(layer) == set(li.LAYER_TENSORS)
+        for short, name in li.LAYER_TENSORS.items():
+            assert mx.array_equal(layer[short], stored[f"model.layers.{i}.{name}"].astype(mx.float32))
+    assert mx.array_equal(weights["norm"], stored["model.norm.weight"].astype(mx.float32))
+    if config.tie_word_embeddings:
+        assert weights["lm_head"] is weights["embed_tokens"]  # the same array, not a copy
+    else:
+        assert mx.array_equal(weights["lm_head"], stored["lm_head.weight"].astype(mx.float32))
+
+
 @pytest.fixture(scope="module")
 def mlx_lm_model(checkpoint):
     model, _ = mlx_lm_load(str(checkpoint[0]))
@@ -33,13 +49,18 @@ def mlx_lm_model(checkpoint):
 PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 
+def tokens(generator):
+    return [token for token, _ in generator]
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_logits_match_mlx_lm(checkpoint, mlx_lm_model, fused):
     folder, config, weights, tokenizer = checkpoint
     ids = tokenizer.encode(PROMPT).ids
     theirs = mlx_lm_model(mx.array(ids)[None])[0]  # (seq, vocab)
-    ours_all = li.forward(mx.array(ids), weights, config, li.KVCache(), last_only=False, fused=fused)
-    ours_last = li.forward(mx.array(ids), weights, config, li.KVCache(), fused=fused)
+    with kernels(fused):
+        ours_all = li.forward(mx.array(ids), weights, config, li.make_cache(config), last_only=False)
+        ours_last = li.forward(mx.array(ids), weights, config, li.make_cache(config))
     assert ours_all.shape == (len(ids), config.vocab_size) and ours_last.shape == (config.vocab_size,)
     assert float(theirs.abs().max()) > 1  # logits of healthy scale, so 1e-4 is a tight bound
     assert float(mx.abs(ours_all - theirs).max()) < 1e-4
@@ -50,7 +71,8 @@ def test_logits_match_mlx_lm(checkpoint, mlx_lm_model, fused):
 def test_greedy_continuation_matches_mlx_lm(checkpoint, mlx_lm_model, fused):
     folder, config, weights, tokenizer = checkpoint
     ids = tokenizer.encode(PROMPT).ids
-    ours = list(li.generate(ids, weights, config, max_tokens=40, fused=fused))
+    with kernels(fused):
+        ours = tokens(li.generate(ids, weights, config, max_tokens=40))
     theirs = [t for t, _ in generate_step(mx.array(ids), mlx_lm_model, max_tokens=40)]
     assert len(set(ours)) > 3  # a continuation that varies, so a divergence would show
     assert ours == theirs
@@ -62,7 +84,7 @@ def test_bfloat16_logits_close_to_mlx_lm(checkpoint):
     model, _ = mlx_lm_load(str(folder))  # bfloat16, as stored
     ids = mx.array(tokenizer.encode(PROMPT).ids)
     theirs = model(ids[None])[0, -1].astype(mx.float32)
-    ours = li.forward(ids, weights, config, li.KVCache()).astype(mx.float32)
+    ours = li.forward(ids, weights, config, li.make_cache(config)).astype(mx.float32)
     # Two bfloat16 implementations round differently; they must still agree to ~1% of the logits' range.
     assert float(mx.abs(ours - theirs).max()) < 0.02 * float(theirs.abs().max())
     assert int(mx.argmax(ours)) == int(mx.argmax(theirs))
@@ -72,30 +94,30 @@ def test_cached_decoding_equals_recomputing(checkpoint):
     """Prefill 250 tokens, then decode 20 one at a time across the 256-position chunk boundary: each step's
     logits must equal those of running the whole sequence from scratch without reusing anything."""
     folder, config, weights, _ = checkpoint
-    tokens = mx.random.randint(0, config.vocab_size, (270,), key=mx.random.key(5))
-    full = li.forward(tokens, weights, config, li.KVCache(), last_only=False)  # (270, vocab)
-    cache = li.KVCache()
-    li.forward(tokens[:250], weights, config, cache)
+    ids = mx.random.randint(0, config.vocab_size, (270,), key=mx.random.key(5))
+    full = li.forward(ids, weights, config, li.make_cache(config), last_only=False)  # (270, vocab)
+    cache = li.make_cache(config)
+    li.forward(ids[:250], weights, config, cache)
     for i in range(250, 270):
-        step = li.forward(tokens[i : i + 1], weights, config, cache)
+        step = li.forward(ids[i : i + 1], weights, config, cache)
         assert float(mx.abs(step - full[i]).max()) < 1e-4, f"position {i}"
-    assert cache.offset == 270 and cache.keys[0].shape[2] == 2 * li.CACHE_CHUNK
+    assert all(c.offset == 270 and c.keys.shape[1] == 2 * li.KVCache.GROWTH for c in cache)
 
 
 def test_chunked_prefill_gives_the_same_tokens(checkpoint, monkeypatch):
     folder, config, weights, _ = checkpoint
     prompt = mx.random.randint(0, config.vocab_size, (50,), key=mx.random.key(6)).tolist()
-    whole = list(li.generate(prompt, weights, config, max_tokens=10))
+    whole = tokens(li.generate(prompt, weights, config, max_tokens=10))
     monkeypatch.setattr(li, "PREFILL_CHUNK", 16)  # 50 = 16 + 16 + 16 + 2
-    assert list(li.generate(prompt, weights, config, max_tokens=10)) == whole
+    assert tokens(li.generate(prompt, weights, config, max_tokens=10)) == whole
 
 
 def test_generate_stops_at_end_of_sequence(checkpoint):
     folder, config, weights, tokenizer = checkpoint
     ids = tokenizer.encode(PROMPT).ids
-    free = list(li.generate(ids, weights, config, max_tokens=12))
+    free = tokens(li.generate(ids, weights, config, max_tokens=12))
     stop = free[5]
-    stopped = list(li.generate(ids, weights, config, max_tokens=12, eos_ids={stop}))
+    stopped = tokens(li.generate(ids, weights, config, max_tokens=12, eos_ids={stop}))
     assert stopped == free[: free.index(stop) + 1]  # the end-of-sequence token is yielded, then it stops
     assert li.eos_token_ids(li.load_generation_config(folder), tokenizer) == {151643, 151645}
 
@@ -110,7 +132,7 @@ def test_tokenize_and_chat_tokens(checkpoint):
 def test_seeded_sampling_reproduces(checkpoint):
     folder, config, weights, tokenizer = checkpoint
     ids = tokenizer.encode(PROMPT).ids
-    run = lambda seed: list(li.generate(ids, weights, config, 16, temperature=1.0, top_k=50, top_p=0.95, seed=seed))
+    run = lambda seed: tokens(li.generate(ids, weights, config, 16, li.Sampling(1.0, 50, 0.95, seed)))
     assert run(3) == run(3)
     assert run(3) != run(4)
 
@@ -123,12 +145,12 @@ LOGITS = mx.array(np.log(PROBS), dtype=mx.float32)
 
 def draw(n, **kw):
     keys = mx.random.split(mx.random.key(0), n)
-    return np.array([li.sample(LOGITS, key=keys[i], **kw).item() for i in range(n)])
+    return np.array([li.sample(LOGITS, li.Sampling(**kw), keys[i]).item() for i in range(n)])
 
 
 def test_greedy_is_argmax():
     logits = mx.random.normal((1000,), key=mx.random.key(1))
-    assert li.sample(logits, 0.0, 0, 1.0, mx.random.key(0)).item() == int(np.argmax(np.array(logits)))
+    assert li.sample(logits, li.Sampling(), mx.random.key(0)).item() == int(np.argmax(np.array(logits)))
 
 
 @pytest.mark.parametrize(
@@ -163,3 +185,40 @@ def test_temperature_reshapes_the_distribution(temperature):
     expected = PROBS ** (1 / temperature) / (PROBS ** (1 / temperature)).sum()
     freq = np.bincount(samples, minlength=len(PROBS)) / len(samples)
     assert np.all(np.abs(freq - expected) <= 5 * np.sqrt(expected * (1 - expected) / len(samples)) + 1e-9)
+
+
+def test_without_the_cache_the_tokens_and_logits_are_the_same(checkpoint):
+    """--no-cache recomputes the whole sequence at every step: slower, but the very same results."""
+    folder, config, weights, tokenizer = checkpoint
+    ids = tokenizer.encode(PROMPT).ids
+    cached = list(li.generate(ids, weights, config, max_tokens=12))
+    recomputed = list(li.generate(ids, weights, config, max_tokens=12, use_cache=False))
+    assert [t for t, _ in recomputed] == [t for t, _ in cached]
+    for (_, a), (_, b) in zip(cached, recomputed):
+        assert float(mx.abs(a - b).max()) < 1e-4
+
+
+def test_generate_yields_the_logits_each_token_was_sampled_from(checkpoint):
+    folder, config, weights, tokenizer = checkpoint
+    ids = tokenizer.encode(PROMPT).ids
+    (first, logits), (second, _) = li.generate(ids, weights, config, max_tokens=2)
+    expected = li.forward(mx.array(ids), weights, config, li.make_cache(config))
+    assert float(mx.abs(logits - expected).max()) < 1e-4 and first == int(mx.argmax(expected))
+
+
+def test_loading_float32_keeps_the_peak_near_the_weights(tmp_path):
+    """The file holds bfloat16; converting one tensor at a time means the bfloat16 copy of everything
+    never sits beside the float32 one (that would peak at 1.5x the float32 weights)."""
+    small_vocab = TINY_CONFIG | {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 768,
+                                 "num_hidden_layers": 6, "head_dim": 64}
+    folder = write_checkpoint(tmp_path / "m", small_vocab)
+    config = li.load_config(folder)
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    weights = li.load_weights(folder, config, mx.float32)
+    peak = mx.get_peak_memory() - base
+    f32_bytes = sum(w.nbytes for w in [weights["embed_tokens"], weights["norm"]]
+                    + [w for layer in weights["layers"] for w in layer.values()])
+    assert peak < 1.15 * f32_bytes, f"peak {peak / f32_bytes:.2f}x the float32 weights"

@@ -1,7 +1,7 @@
 """Each building block against an independent reference: MLX's own layers and kernels, and mlx-lm.
 
-Every op is checked twice: the hand-written version (fused=False, the one the tutorial explains) against
-MLX's reference layer, and the fused kernel the pipeline runs by default (fused=True) against the same.
+Every op is checked twice: the hand-written version (the one the tutorial explains) against MLX's
+reference layer, and the fused kernel the pipeline runs by default against the same.
 """
 
 import math
@@ -14,6 +14,7 @@ from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models import qwen3 as mlx_lm_qwen3
 
 import llm_inference as li
+from tests.kernels import kernels
 
 # float32 results should agree to rounding; bfloat16 keeps 8 mantissa bits (~0.4% relative error) per
 # rounding, so a few roundings in a row stay within a few percent of the values' scale. A wrong formula
@@ -40,7 +41,8 @@ DTYPES = [mx.float32, mx.bfloat16]
 def test_rms_norm_matches_mlx(dtype, fused):
     x = randn(7, 64, dtype=dtype) * 3 + 1
     w = (1 + 0.1 * randn(64, seed=1)).astype(dtype)
-    ours = li.rms_norm(x, w, 1e-6, fused=fused)
+    with kernels(fused):
+        ours = li.rms_norm(x, w, 1e-6)
     assert ours.dtype == dtype
     close(ours, mx.fast.rms_norm(x, w, 1e-6), dtype, scale=3)
     layer = nn.RMSNorm(64, eps=1e-6)
@@ -55,7 +57,8 @@ def test_apply_rope_matches_nn_rope(dtype, fused, offset):
     head_dim, theta = 128, 1e6
     x = randn(4, 5, head_dim, dtype=dtype)
     expected = nn.RoPE(head_dim, traditional=False, base=theta)(x, offset=offset)
-    ours = li.apply_rope(x, offset, theta, fused=fused)
+    with kernels(fused):
+        ours = li.apply_rope(x, offset, theta)
     assert ours.dtype == dtype
     # A float32 angle of `offset` radians is only exact to ~offset * 1.2e-7 (its rounding step), and two
     # ways of computing the frequencies may land a few steps apart: allow that on top of the usual error.
@@ -66,19 +69,18 @@ def test_apply_rope_matches_nn_rope(dtype, fused, offset):
 def test_apply_rope_is_a_rotation_that_encodes_distance():
     """q.k after RoPE depends only on the distance between positions: the property RoPE exists for."""
     q, k = randn(1, 1, 64), randn(1, 1, 64, seed=1)
-    dots = [
-        (li.apply_rope(q, p + 3, 1e4, fused=False) * li.apply_rope(k, p, 1e4, fused=False)).sum().item()
-        for p in (0, 10, 500)
-    ]
+    with kernels(fused=False):
+        dots = [(li.apply_rope(q, p + 3, 1e4) * li.apply_rope(k, p, 1e4)).sum().item() for p in (0, 10, 500)]
+        rotated_norm = mx.linalg.norm(li.apply_rope(q, 123, 1e4)).item()
     assert np.allclose(dots, dots[0], rtol=1e-4)
-    norm_before = mx.linalg.norm(q).item()
-    assert math.isclose(mx.linalg.norm(li.apply_rope(q, 123, 1e4, fused=False)).item(), norm_before, rel_tol=1e-5)
+    assert math.isclose(rotated_norm, mx.linalg.norm(q).item(), rel_tol=1e-5)
 
 
 def test_rope_rotates_half_split_pairs():
     """Qwen pairs channel i with channel i + head_dim/2 ("rotate_half"), not with channel i+1."""
     x = mx.zeros((1, 1, 8)).at[0, 0, 0].add(1.0)  # unit vector on channel 0
-    y = li.apply_rope(x, 1, 1.0, fused=False)[0, 0]  # theta 1: every pair turns by 1 radian at position 1
+    with kernels(fused=False):
+        y = li.apply_rope(x, 1, 1.0)[0, 0]  # theta 1: every pair turns by 1 radian at position 1
     expected = np.zeros(8)
     expected[0], expected[4] = math.cos(1), math.sin(1)
     assert np.allclose(np.array(y), expected, atol=1e-6)
@@ -91,14 +93,18 @@ def tiny_config(**overrides):
     return li.Config(**(values | overrides))
 
 
-def random_weights(config, dtype=mx.float32, seed=0):
-    weights = {}
-    for i, (name, shape) in enumerate(li.weight_shapes(config).items()):
+def random_layer(config, dtype=mx.float32, seed=0):
+    """One layer's weights under llm_inference's short names, and under mlx-lm's (checkpoint) names."""
+    layer, named = {}, {}
+    shapes = li.weight_shapes(config)
+    for i, (short, name) in enumerate(li.LAYER_TENSORS.items()):
+        shape = shapes[f"model.layers.0.{name}"]
         if len(shape) == 1:  # norm gains near 1
-            weights[name] = (1 + 0.1 * randn(*shape, seed=seed * 1000 + i)).astype(dtype)
+            layer[short] = (1 + 0.1 * randn(*shape, seed=seed * 1000 + i)).astype(dtype)
         else:  # keep activations O(1): std 1/sqrt(fan_in)
-            weights[name] = (randn(*shape, seed=seed * 1000 + i) / math.sqrt(shape[1])).astype(dtype)
-    return weights
+            layer[short] = (randn(*shape, seed=seed * 1000 + i) / math.sqrt(shape[1])).astype(dtype)
+        named[name] = layer[short]
+    return layer, named
 
 
 def sdpa_reference(q, k, v, offset):
@@ -115,33 +121,33 @@ def sdpa_reference(q, k, v, offset):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 2), (4, 4)])
 @pytest.mark.parametrize("offset,seq", [(0, 6), (5, 3), (9, 1)])
 def test_attention_matches_mlx_sdpa(dtype, fused, heads, kv_heads, offset, seq):
-    """Our attention = input norm + projections + QK-norm + RoPE + MLX's SDPA with a causal mask."""
+    """Our attention = projections + QK-norm + RoPE + the cache + MLX's SDPA with a causal mask + o_proj."""
     c = tiny_config(num_attention_heads=heads, num_key_value_heads=kv_heads)
-    w = random_weights(c, dtype)
-    p = "model.layers.0."
+    w, _ = random_layer(c, dtype)
     past = randn(offset, c.hidden_size, dtype=dtype, seed=7)
     x = randn(seq, c.hidden_size, dtype=dtype, seed=8)
 
     cache = li.KVCache()
-    li.reserve_cache(cache, c, offset, dtype)
-    if offset:
-        li.attention(past, w, 0, c, cache, fused)
-    cache.offset = offset
-    li.reserve_cache(cache, c, seq, dtype)
-    ours = li.attention(x, w, 0, c, cache, fused)
+    with kernels(fused):
+        if offset:
+            li.attention(past, w, c, cache)
+        ours = li.attention(x, w, c, cache)
+    assert cache.offset == offset + seq
 
     # The same computation from MLX reference pieces, over the full sequence past + x.
-    full = mx.fast.rms_norm(mx.concatenate([past, x]) if offset else x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+    full = mx.concatenate([past, x]) if offset else x
 
     def heads_of(name, n):
-        return (full @ w[p + "self_attn." + name].T).reshape(offset + seq, n, c.head_dim).swapaxes(0, 1)
+        return (full @ w[name].T).reshape(offset + seq, n, c.head_dim).swapaxes(0, 1)
 
-    norm = lambda t, name: mx.fast.rms_norm(t, w[p + "self_attn." + name], c.rms_norm_eps)
+    norm = lambda t, name: mx.fast.rms_norm(t, w[name], c.rms_norm_eps)
     rope = nn.RoPE(c.head_dim, traditional=False, base=c.rope_theta)
-    q = rope(norm(heads_of("q_proj.weight", heads), "q_norm.weight"))[:, offset:]
-    k = rope(norm(heads_of("k_proj.weight", kv_heads), "k_norm.weight"))
-    v = heads_of("v_proj.weight", kv_heads)
-    close(ours, sdpa_reference(q, k, v, offset)[None], dtype)
+    q = rope(norm(heads_of("q_proj", heads), "q_norm"))[:, offset:]
+    k = rope(norm(heads_of("k_proj", kv_heads), "k_norm"))
+    v = heads_of("v_proj", kv_heads)
+    out = sdpa_reference(q, k, v, offset)  # (heads, seq, head_dim)
+    expected = out.swapaxes(0, 1).reshape(seq, -1) @ w["o_proj"].T
+    close(ours, expected, dtype, scale=float(mx.abs(expected.astype(mx.float32)).max()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -150,10 +156,10 @@ def test_swiglu_matches_nn_silu(dtype):
     gate, up, down = (randn(96, 64, seed=1) / 8).astype(dtype), (randn(96, 64, seed=2) / 8).astype(dtype), (
         randn(64, 96, seed=3) / 10).astype(dtype)
     expected = (nn.silu(x @ gate.T) * (x @ up.T)) @ down.T
-    close(li.swiglu(x, gate, up, down), expected, dtype)
+    close(li.swiglu(x, {"gate_proj": gate, "up_proj": up, "down_proj": down}), expected, dtype)
 
 
-def mlx_lm_block(config, weights, layer=0):
+def mlx_lm_block(config, named):
     args = mlx_lm_qwen3.ModelArgs(
         model_type="qwen3", hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
         intermediate_size=config.intermediate_size, num_attention_heads=config.num_attention_heads,
@@ -161,8 +167,7 @@ def mlx_lm_block(config, weights, layer=0):
         num_key_value_heads=config.num_key_value_heads, max_position_embeddings=config.max_position_embeddings,
         head_dim=config.head_dim, tie_word_embeddings=config.tie_word_embeddings, rope_theta=config.rope_theta)
     block = mlx_lm_qwen3.TransformerBlock(args)
-    prefix = f"model.layers.{layer}."
-    block.load_weights([(k[len(prefix):], v) for k, v in weights.items() if k.startswith(prefix)])
+    block.load_weights(list(named.items()))
     return block
 
 
@@ -171,32 +176,35 @@ def mlx_lm_block(config, weights, layer=0):
 def test_transformer_block_matches_mlx_lm(dtype, fused):
     """Prefill 7 positions then decode 2, through our block and mlx-lm's, with their own caches."""
     c = tiny_config()
-    w = random_weights(c, dtype, seed=3)
-    block = mlx_lm_block(c, w)
+    w, named = random_layer(c, dtype, seed=3)
+    block = mlx_lm_block(c, named)
     theirs_cache = mlx_lm_cache.KVCache()
     ours_cache = li.KVCache()
     for seq in (7, 1, 1):
         x = randn(seq, c.hidden_size, dtype=dtype, seed=seq + ours_cache.offset)
         mask = "causal" if seq > 1 else None
         theirs = block(x[None], mask=mask, cache=theirs_cache)[0]
-        li.reserve_cache(ours_cache, c, seq, dtype)
-        ours = li.transformer_block(x, w, 0, c, ours_cache, fused)
-        ours_cache.offset += seq
+        with kernels(fused):
+            ours = li.transformer_block(x, w, c, ours_cache)
         close(ours, theirs, dtype, scale=float(mx.abs(theirs.astype(mx.float32)).max()))
 
 
 def test_kv_cache_grows_in_chunks_and_keeps_contents():
-    c = tiny_config()
-    cache = li.KVCache()
-    li.reserve_cache(cache, c, 3, mx.float32)
-    assert cache.keys[0].shape == (1, c.num_key_value_heads, li.CACHE_CHUNK, c.head_dim)
-    cache.keys[1][:, :, :3] = mx.ones((1, c.num_key_value_heads, 3, c.head_dim))
-    cache.offset = 3
-    li.reserve_cache(cache, c, li.CACHE_CHUNK - 3, mx.float32)  # fits exactly: no growth
-    assert cache.keys[0].shape[2] == li.CACHE_CHUNK
-    li.reserve_cache(cache, c, li.CACHE_CHUNK, mx.float32)  # needs 3 + 256 positions: two chunks
-    assert cache.keys[1].shape[2] == 2 * li.CACHE_CHUNK and len(cache.values) == c.num_hidden_layers
-    assert mx.all(cache.keys[1][:, :, :3] == 1).item() and mx.all(cache.keys[1][:, :, 3:] == 0).item()
+    cache, chunk = li.KVCache(), li.KVCache.GROWTH
+    first = randn(2, 3, 16)
+    keys, values = cache.update_and_fetch(first, -first)
+    assert cache.keys.shape == (2, chunk, 16) and cache.offset == 3
+    assert mx.array_equal(keys, first) and mx.array_equal(values, -first)
+    fill = randn(2, chunk - 3, 16, seed=1)
+    cache.update_and_fetch(fill, fill)  # fits exactly: no growth
+    assert cache.keys.shape[1] == chunk
+    more = randn(2, chunk, 16, seed=2)
+    keys, values = cache.update_and_fetch(more, more)  # 2 * chunk positions: one more chunk
+    assert cache.keys.shape[1] == 2 * chunk and cache.offset == 2 * chunk
+    assert mx.array_equal(keys, mx.concatenate([first, fill, more], axis=1))
+    assert mx.array_equal(values, mx.concatenate([-first, fill, more], axis=1))
+    cache.update_and_fetch(first[:, :1], first[:, :1])  # one past two chunks: grows by one more
+    assert cache.keys.shape[1] == 3 * chunk and cache.offset == 2 * chunk + 1
 
 
 def test_chat_prompt_matches_qwen3_template():
@@ -204,3 +212,6 @@ def test_chat_prompt_matches_qwen3_template():
     assert li.chat_prompt("Hi", system="Be brief.", think=False) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # Qwen's template keeps an empty system message as a (empty) system turn.
+    assert li.chat_prompt("Hi", system="") == (
+        "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
