@@ -38,6 +38,20 @@ def mlx_lm_runner(model):
     return run
 
 
+def cache_experiment(weights, config, lengths, n=16, reps=3):
+    """Decode speed with the KV cache and without it (--no-cache: every step reruns the whole sequence)."""
+    print(f"the KV cache: decode tok/s over {n} new tokens, with the cache vs recomputing everything")
+    for length in lengths:
+        prompt = mx.random.randint(0, config.vocab_size, (length,), key=mx.random.key(2)).tolist()
+        speeds = {}
+        for use_cache in (True, False):
+            run = lambda p, k: (t for t, _ in li.generate(p, weights, config, k, use_cache=use_cache))
+            timed(run, prompt, 4)  # warm-up
+            speeds[use_cache] = statistics.median(timed(run, prompt, n)["decode"] for _ in range(reps))
+        print(f"{length:>6} tokens of context: {speeds[True]:9.1f} vs {speeds[False]:9.1f} tok/s, "
+              f"the cache is {speeds[True] / speeds[False]:.1f}x faster")
+
+
 def timed(run, prompt, n):
     """Time to first token, decode tok/s over the rest, peak memory, and the tokens."""
     mx.synchronize()
@@ -127,6 +141,8 @@ def main():
     ap.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--cache-lengths", type=int, nargs="+", metavar="N",
+                    help="instead: decode speed with and without the KV cache at these prompt lengths")
     args = ap.parse_args()
     if args.device:
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
@@ -146,6 +162,9 @@ def main():
     weight_bytes = sum(w.nbytes for w in unique.values())
     print(f"MLX {mx.__version__}, device {mx.default_device()}, dtype {str(dtype).split('.')[-1]}, "
           f"{config.num_hidden_layers} layers, {weight_bytes / 1e9:.2f} GB of weights")
+    if args.cache_lengths:
+        cache_experiment(weights, config, args.cache_lengths, reps=args.reps)
+        return
     runners = {"ours": ours(weights, config), "mlx-lm": mlx_lm_runner(model)}
     bandwidth = measure_bandwidth(dtype)
     key = mx.random.key(0)

@@ -1,25 +1,25 @@
 """How an LLM really generates text: Qwen3 from its released files, with MLX, in one file.
 
-Part 1 is the model, in the order the data flows through it; Part 2 is the program around it (checking
-the model folder, downloading it, the command line). Stop after Part 1 and you have seen the whole model.
+Part 1 is the model, in the order data flows through it. Part 2 is the program around it: checking
+the model folder, downloading it, the command line. Stop after Part 1 and you have seen the model.
 
     "The capital of France is"
       -> 1. load      config.json + model.safetensors + tokenizer.json
       -> 2. tokenize  [785, 6722, 315, 9625, 374]
-      -> 3. embed     one 1024-number vector per token                        (seq, 1024)
-      -> 28 x 8. transformer block:
+      -> 3. embed     one 1024-number vector per token                      (seq, 1024)
+      -> 8. transformer block, 28 times:
               4. RMSNorm -> 6. attention (5. RoPE, QK-norm, KV cache) -> add back
               4. RMSNorm -> 7. SwiGLU feed-forward                    -> add back
-      -> 9. final RMSNorm + LM head: a score for each of 151936 tokens        (151936,)
+      -> 9. final RMSNorm + LM head: one score per vocabulary entry         (151936,)
       -> 10. sample   " Paris"
       -> 11. generate: feed " Paris" back in, repeat until <|im_end|>
 
-Shapes are written without a batch axis: we generate one sequence at a time. Sizes are Qwen3-0.6B's.
+Shapes are written without a batch axis (one sequence at a time), with Qwen3-0.6B's sizes.
 
-MLX is lazy. `y = x @ w` records the operation in a graph and returns at once; the arithmetic runs when
-a value is needed (`print(y)`, `y.item()`, `mx.eval(y)`). Two speed tricks in this file build on that:
-generate() queues the next token's work before reading the current one (section 11), and mx.compile
-turns a function's recorded graph into one reusable, fused call (section 12).
+MLX is lazy: `y = x @ w` only records the operation in a graph; the arithmetic runs when a value is
+needed (`print(y)`, `y.item()`, `mx.eval(y)`). Two speed tricks build on that: generate() queues the
+next token's work before reading the current token (section 11), and mx.compile turns a function's
+recorded graph into one reusable, fused call (section 12).
 """
 
 import argparse
@@ -45,7 +45,7 @@ from tokenizers.decoders import DecodeStream
 # 1. Load: the hyper-parameters from config.json, the weights from model.safetensors
 # ------------------------------------------------------------------------------------------------
 
-class Config(NamedTuple):  # a NamedTuple, so mx.compile accepts it as an argument (section 12)
+class Config(NamedTuple):  # a NamedTuple: mx.compile accepts it as an argument (section 12)
     hidden_size: int  # 1024: width of the "residual stream" every layer reads and adds to
     num_hidden_layers: int  # 28 transformer blocks
     num_attention_heads: int  # 16 query heads ...
@@ -66,11 +66,11 @@ def load_config(model_dir):
     return Config(**{name: kind(raw[name]) for name, kind in Config.__annotations__.items()})
 
 
-# Each layer's tensors, by the short name this file uses -> the name inside the checkpoint.
+# A layer's tensors: the short name used below -> the name in the checkpoint. Shapes are (out, in).
 LAYER_TENSORS = {
     "input_layernorm": "input_layernorm.weight",  # (1024,)
-    "q_proj": "self_attn.q_proj.weight",  # (2048, 1024): Linear weights are stored (out, in)
-    "k_proj": "self_attn.k_proj.weight",  # (1024, 1024) = (8 heads * 128, 1024)
+    "q_proj": "self_attn.q_proj.weight",  # (2048, 1024) = (16 heads x 128, 1024)
+    "k_proj": "self_attn.k_proj.weight",  # (1024, 1024) = (8 heads x 128, 1024)
     "v_proj": "self_attn.v_proj.weight",  # (1024, 1024)
     "q_norm": "self_attn.q_norm.weight",  # (128,)
     "k_norm": "self_attn.k_norm.weight",  # (128,)
@@ -83,24 +83,21 @@ LAYER_TENSORS = {
 
 
 def load_weights(model_dir, config, dtype):
-    """{"embed_tokens", "norm", "lm_head", "layers": [{"q_proj": ..., ...} x 28]}, converted to dtype."""
-    tensors = mx.load(str(Path(model_dir) / "model.safetensors"))  # lazy: nothing is read yet
+    """{"embed_tokens", "layers": [{"q_proj": ..., ...} x 28], "norm", "lm_head"}, as `dtype`."""
+    tensors = mx.load(str(Path(model_dir) / "model.safetensors"))  # lazy: nothing read yet
 
-    def tensor(name):  # read and convert one tensor at a time, so the file's bfloat16 copy of
-        weight = tensors.pop(name).astype(dtype)  # everything never sits in memory beside
-        mx.eval(weight)  # the converted one (float32 would otherwise peak at 1.5x the weights)
+    def tensor(name):  # read and convert one at a time: the file's bfloat16 copy of everything
+        weight = tensors.pop(name).astype(dtype)  # never sits beside the converted weights
+        mx.eval(weight)  # (in float32 that would peak at 1.5x the weights)
         return weight
 
-    weights = {
-        "embed_tokens": tensor("model.embed_tokens.weight"),  # (151936, 1024)
-        "layers": [{short: tensor(f"model.layers.{i}.{name}") for short, name in LAYER_TENSORS.items()}
-                   for i in range(config.num_hidden_layers)],
-        "norm": tensor("model.norm.weight"),  # (1024,)
-    }
-    # Tied embeddings: the LM head *is* the embedding table (the same array, not a copy: 311 MB saved).
-    tied = config.tie_word_embeddings
-    weights["lm_head"] = weights["embed_tokens"] if tied else tensor("lm_head.weight")  # (151936, 1024)
-    return weights
+    layers = [{short: tensor(f"model.layers.{i}.{name}") for short, name in LAYER_TENSORS.items()}
+              for i in range(config.num_hidden_layers)]
+    embed_tokens = tensor("model.embed_tokens.weight")  # (151936, 1024)
+    # Tied embeddings: the LM head *is* the embedding table (the same array: 311 MB not copied).
+    lm_head = embed_tokens if config.tie_word_embeddings else tensor("lm_head.weight")
+    return {"embed_tokens": embed_tokens, "layers": layers, "norm": tensor("model.norm.weight"),
+            "lm_head": lm_head}
 
 
 def load_tokenizer(model_dir):
@@ -112,21 +109,21 @@ def load_tokenizer(model_dir):
 # ------------------------------------------------------------------------------------------------
 
 def tokenize(tokenizer, text):
-    """Split text into pieces of the vocabulary: "The capital of France is" -> [785, 6722, 315, 9625, 374].
+    """Text -> ids of vocabulary pieces: "The capital of France is" -> [785, 6722, 315, 9625, 374].
 
-    Byte-level BPE: the text is cut into word-like chunks, and each chunk's UTF-8 bytes are merged pair
-    by pair, following the merge list learned in training (in tokenizer.json), until no merge applies.
-    Any string, emoji included, has an encoding; common words are one token, leading space included.
+    Byte-level BPE: the text is cut into word-like chunks, and each chunk's UTF-8 bytes are merged
+    pair by pair, following the merge list learned in training, until no merge applies. Any string
+    has an encoding, emoji included; common words are one token, their leading space included.
     """
     return tokenizer.encode(text).ids
 
 
 def chat_prompt(user, system=None, think=True):
-    """Qwen3's chat format, written out by hand: each turn is <|im_start|>role\\n ... <|im_end|>\\n.
+    """Qwen3's chat format, written out by hand: each turn is <|im_start|>role\\n...<|im_end|>\\n.
 
-    The text ends by opening the assistant's turn, so the model's most likely continuation is a reply.
-    Qwen3 first "thinks" inside <think>...</think>; an empty think block (what Qwen's template emits for
-    enable_thinking=False) tells it to answer directly. An empty system message is still a turn.
+    The text ends by opening the assistant's turn, so the likeliest continuation is a reply. Qwen3
+    first "thinks" inside <think>...</think>; an empty think block (what Qwen's template writes for
+    enable_thinking=False) makes it answer directly. An empty system message is still a turn.
     """
     text = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
     text += f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
@@ -141,10 +138,10 @@ def embed(token_ids, embed_tokens):
     return embed_tokens[token_ids]  # (seq,) ids -> (seq, 1024)
 
 
-# Three steps below (RMSNorm, RoPE, attention) are written out as math, several MLX operations each.
-# MLX also ships each one as a single fused kernel computing the same numbers, which is faster (one pass
-# over memory instead of several); the tests prove the two equal. This flag picks the kernels; the
-# command line's --reference-ops clears it, once, before anything runs.
+# RMSNorm, RoPE and attention are written out below as math: several MLX operations each. MLX also
+# ships each as one fused kernel that computes the same numbers in one pass over memory, which is
+# faster; the tests prove the two equal. This flag picks the kernels. The command line's
+# --reference-ops clears it once, before anything runs, to run the math as written.
 FUSED_KERNELS = True
 
 
@@ -153,9 +150,9 @@ FUSED_KERNELS = True
 # ------------------------------------------------------------------------------------------------
 
 def rms_norm(x, weight, eps):
-    """x / sqrt(mean(x^2) + eps) * weight, over the last axis. Keeps every layer's input at one scale."""
+    """x / sqrt(mean(x²) + eps) * weight, over the last axis: layers read inputs of one scale."""
     if not FUSED_KERNELS:
-        x32 = x.astype(mx.float32)  # square and average in float32: bfloat16 keeps 8 significant bits
+        x32 = x.astype(mx.float32)  # square and average in float32: bfloat16 has 8 significant bits
         x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)
         return weight * x32.astype(x.dtype)
     return mx.fast.rms_norm(x, weight, eps)
@@ -166,13 +163,12 @@ def rms_norm(x, weight, eps):
 # ------------------------------------------------------------------------------------------------
 
 def apply_rope(x, offset, theta):
-    """Rotate x (heads, seq, head_dim), whose first position sits at absolute position `offset`.
+    """Rotate x (heads, seq, head_dim), whose first position is the absolute position `offset`.
 
-    Channel i is paired with channel i + head_dim/2 (the "half-split" layout of Hugging Face's
-    rotate_half; the RoPE paper pairs neighbours), and the pair is rotated by the angle
-    position * theta^(-2i/head_dim): fast-turning pairs resolve nearby tokens, slow ones far-away tokens.
-    Because rotations compose, the dot product of a rotated query and key depends on their two positions
-    only through their distance, which is what attention needs.
+    Channel i is paired with channel i + head_dim/2 (Hugging Face's "rotate_half" layout; the RoPE
+    paper pairs neighbours), and the pair turns by the angle position * theta^(-2i/head_dim):
+    fast-turning pairs resolve nearby tokens, slow ones distant tokens. Rotations compose, so the
+    dot product of a rotated query and key depends on their positions only through their distance.
     """
     head_dim = x.shape[-1]
     if not FUSED_KERNELS:
@@ -186,50 +182,62 @@ def apply_rope(x, offset, theta):
 
 
 # ------------------------------------------------------------------------------------------------
-# 6. Attention: every position gathers information from itself and the positions before it
+# 6. Attention: each position gathers information from itself and the positions before it
 # ------------------------------------------------------------------------------------------------
 #
-# Each position emits three vectors per head: a query ("what am I looking for?"), a key ("what do I
-# contain?") and a value ("what do I pass on if chosen?"). A position's output is a weighted average of
-# the values, weighted by how well its query matches each key:
+# Each position emits, per head, a query ("what am I looking for?"), a key ("what do I hold?") and a
+# value ("what do I pass on?"). Its output is an average of the values, weighted by how well its
+# query matches each key:  softmax(Q Kᵀ / √head_dim) · V  (the √128 keeps the scores' variance ~1).
 #
-#     softmax(Q Kᵀ / √head_dim) · V         (dividing by √128 keeps the scores' variance near 1)
+# A dot product cannot tell where tokens are: shuffle the keys and the weights shuffle along. So
+# RoPE (section 5) mixes positions into queries and keys, and a causal mask keeps each position
+# from seeing later ones, which the model had to predict in training.
 #
-# A dot product cannot tell where tokens are: shuffle the keys and the weights shuffle with them. So
-# positions are mixed into the queries and keys with RoPE (section 5), and a causal mask keeps each
-# position from seeing later ones: when it was trained, the model had to predict them.
-#
-# Heads: 16 query heads look for different things in parallel. Multi-head attention gives each query
-# head its own key/value head (16 K/V heads); multi-query attention shares one among all; Qwen3 uses
-# the middle ground, grouped-query attention: 8 K/V heads, each shared by 2 query heads. That halves the
-# keys and values to compute and to keep, compared with 16 K/V heads, at almost no loss in quality.
+# Heads look for different things in parallel. Multi-head attention gives each of the 16 query
+# heads its own key/value head; multi-query attention shares one K/V head among all; Qwen3 takes
+# the middle, grouped-query attention: 8 K/V heads, each shared by 2 query heads. Compared with 16
+# K/V heads, that halves the keys and values to compute and to cache, at little cost in quality.
+
+def queries_keys_values(x, layer, config, offset):
+    """The first half of attention: x (seq, 1024) at positions offset, offset+1, ... -> q, k, v."""
+    c, seq = config, x.shape[0]
+    # Project each position to queries, keys and values, split into heads, heads first.
+    q = (x @ layer["q_proj"].T).reshape(seq, c.num_attention_heads, c.head_dim).swapaxes(0, 1)
+    k = (x @ layer["k_proj"].T).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
+    v = (x @ layer["v_proj"].T).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
+    # QK-norm (new in Qwen3): RMS-normalise each head's queries and keys. Otherwise their sizes can
+    # creep up in training until the softmax saturates and training turns unstable; here their scale
+    # is set by two small learned gains. It comes before RoPE because the gains are per channel, and
+    # the rotation then mixes channel pairs.
+    q = apply_rope(rms_norm(q, layer["q_norm"], c.rms_norm_eps), offset, c.rope_theta)
+    k = apply_rope(rms_norm(k, layer["k_norm"], c.rms_norm_eps), offset, c.rope_theta)
+    return q, k, v  # (16, seq, 128), (8, seq, 128), (8, seq, 128)
+
 
 class KVCache:
-    """One layer's keys and values for every position so far, so that a new token computes only its own.
+    """One layer's keys and values for every position so far, so a new token computes only its own.
 
-    Without a cache, producing token n re-runs all n earlier tokens through every weight matrix of every
-    layer, and the work per step grows with the sequence. With it, a step pushes one token through the
-    weights, and only attention still reads all n cached keys and values.
-
-    Buffers (8 heads, capacity, 128) are preallocated and written in place; `offset` positions are
-    filled. Qwen3-0.6B, bfloat16: 28 layers x 2 (K and V) x 8 heads x 128 x 2 bytes = 112 KiB per token.
+    Without it, each new token re-runs all earlier tokens through every weight matrix of every
+    layer, and the work per token grows with the sequence. With it, one token goes through the
+    weights, and only attention still reads the n cached keys and values. Qwen3-0.6B in bfloat16
+    caches 28 layers x 2 (K and V) x 8 heads x 128 x 2 bytes = 112 KiB per token.
     """
 
     GROWTH = 256  # positions added at a time: one copy per 256 tokens, not one per token
 
     def __init__(self):
-        self.keys = self.values = None
-        self.offset = 0
+        self.keys = self.values = None  # (8, capacity, 128), preallocated, written in place
+        self.offset = 0  # positions filled
 
     def update_and_fetch(self, k, v):
-        """Store k, v (8, seq, 128) at positions offset, offset+1, ...; return all keys and values so far."""
+        """Store k, v (8, seq, 128) at positions offset, offset+1, ...; return all so far."""
         n_kv_heads, seq, head_dim = k.shape
         capacity = 0 if self.keys is None else self.keys.shape[1]
-        if self.offset + seq > capacity:  # grow by whole chunks of GROWTH positions
+        if self.offset + seq > capacity:  # grow by whole chunks
             extra = math.ceil((self.offset + seq - capacity) / self.GROWTH) * self.GROWTH
             empty = mx.zeros((n_kv_heads, extra, head_dim), k.dtype)
             if self.keys is None:
-                self.keys, self.values = empty, mx.zeros_like(empty)  # two buffers, written separately
+                self.keys, self.values = empty, mx.zeros_like(empty)  # two separate buffers
             else:
                 self.keys = mx.concatenate([self.keys, empty], axis=1)
                 self.values = mx.concatenate([self.values, empty], axis=1)
@@ -244,57 +252,40 @@ def make_cache(config):
 
 
 def attend(q, k, v):
-    """softmax(q kᵀ / √d) v for q (16, seq, 128) against k, v (8, total, 128): (16, seq, 128).
+    """softmax(q kᵀ / √d) v for q (16, seq, 128) and k, v (8, total, 128) -> (16, seq, 128).
 
-    The queries are the last `seq` of the `total` positions; each may look at keys up to its own.
+    The queries are the last `seq` of the `total` positions; each sees the keys up to its own.
     """
     n_heads, seq, head_dim = q.shape
     n_kv_heads, total, _ = k.shape
     scale = 1 / math.sqrt(head_dim)
     if not FUSED_KERNELS:
-        # Grouped-query attention by broadcasting: view q as (8 groups, 2 heads, ...) and k, v as
-        # (8, 1, ...), so each group of 2 query heads meets its one K/V head, and nothing is copied.
+        # Grouped-query attention by broadcasting: q viewed as (8 groups, 2 heads, ...) meets k, v
+        # viewed as (8, 1, ...), so each pair of query heads shares one K/V head; nothing is copied.
         q = q.reshape(n_kv_heads, n_heads // n_kv_heads, seq, head_dim)  # (8, 2, seq, 128)
         k, v = k[:, None], v[:, None]  # (8, 1, total, 128)
         scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total)
-        # Causal mask: query i sits at position total-seq+i and may see keys 0 ... total-seq+i.
-        allowed = mx.arange(total)[None, :] <= (total - seq + mx.arange(seq))[:, None]  # (seq, total)
-        scores = mx.where(allowed, scores, -mx.inf)
-        weights = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)  # exp/sum in float32
+        # Causal mask: query i sits at position total-seq+i and sees keys 0 ... total-seq+i.
+        allowed = mx.arange(total)[None, :] <= (total - seq + mx.arange(seq))[:, None]
+        scores = mx.where(allowed, scores, -mx.inf)  # (seq, total) mask, broadcast
+        weights = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)  # float32 exp/sum
         return (weights @ v).reshape(n_heads, seq, head_dim)
-    # The kernel wants a batch axis, and handles the head groups and the mask itself. A single new
-    # token is the last position: it may see every key, so it needs no mask.
+    # The kernel wants a batch axis; it does the head groups and the mask itself. A single new token
+    # is the last position, which may see every key: no mask.
     out = mx.fast.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale,
                                                mask="causal" if seq > 1 else None)
     return out[0]
 
 
-def queries_keys_values(x, layer, config, offset):
-    """The first half of attention: x (seq, 1024) at positions offset, offset+1, ... -> q, k, v."""
-    c, seq = config, x.shape[0]
-    # Project each position to its queries, keys and values, and split them into heads.
-    q = (x @ layer["q_proj"].T).reshape(seq, c.num_attention_heads, c.head_dim)  # (seq, 16, 128)
-    k = (x @ layer["k_proj"].T).reshape(seq, c.num_key_value_heads, c.head_dim)  # (seq, 8, 128)
-    v = (x @ layer["v_proj"].T).reshape(seq, c.num_key_value_heads, c.head_dim)  # (seq, 8, 128)
-    q, k, v = q.swapaxes(0, 1), k.swapaxes(0, 1), v.swapaxes(0, 1)  # heads first: (16 or 8, seq, 128)
-    # QK-norm (new in Qwen3): RMS-normalise each head's queries and keys. Without it, query and key
-    # sizes can creep up during training until the softmax saturates and training turns unstable; with
-    # it, their scale is set by two small learned gains. It comes before RoPE because the gain is per
-    # channel: a rotation mixes channel pairs, and RMSNorm after it would no longer see fixed channels.
-    q = apply_rope(rms_norm(q, layer["q_norm"], c.rms_norm_eps), offset, c.rope_theta)
-    k = apply_rope(rms_norm(k, layer["k_norm"], c.rms_norm_eps), offset, c.rope_theta)
-    return q, k, v  # (16, seq, 128), (8, seq, 128), (8, seq, 128)
-
-
 def attention(x, layer, config, cache):
-    """x (seq, 1024), already normalised -> (seq, 1024): what each position gathers from the others."""
-    # The offset goes in as an array: the compiled queries_keys_values (section 12) is then traced
+    """x (seq, 1024), already normalised -> (seq, 1024): what each position gathers from others."""
+    # The offset is passed as an array, so the compiled queries_keys_values (section 12) is traced
     # once, not once per position.
     q, k, v = queries_keys_values(x, layer, config, mx.array(cache.offset))
     k, v = cache.update_and_fetch(k, v)  # (8, total, 128): the earlier positions' and these
     heads = attend(q, k, v)  # (16, seq, 128)
-    # Concatenate the heads back into one vector per position, and mix them with the output projection.
-    return heads.swapaxes(0, 1).reshape(x.shape[0], -1) @ layer["o_proj"].T  # (seq, 2048) -> (seq, 1024)
+    # Concatenate the heads into one vector per position; the output projection mixes them.
+    return heads.swapaxes(0, 1).reshape(x.shape[0], -1) @ layer["o_proj"].T  # (seq, 1024)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -302,12 +293,12 @@ def attention(x, layer, config, cache):
 # ------------------------------------------------------------------------------------------------
 
 def swiglu(x, layer):
-    """(seq, 1024) -> (seq, 3072) and back: where most of the model's knowledge is stored.
+    """(seq, 1024) -> (seq, 3072) -> (seq, 1024): most of the model's weights, and its knowledge.
 
-    Attention moves information between positions; this thinks about each position alone. It widens to
-    3072 channels (3x) to have room for many features at once, then projects back. silu(g) = g * σ(g) is
-    a smooth ReLU, not a 0-1 switch: it lets through positive gate values almost unchanged and squashes
-    negative ones towards 0. Multiplying it with a second projection (`up`) is the "gated linear unit".
+    Attention moves information between positions; this works on each position alone. It widens to
+    3x the width to have room for many features at once, then projects back. silu(g) = g * σ(g) is
+    a smooth ReLU, not a 0-1 switch: it passes positive gate values almost unchanged and squashes
+    negative ones towards 0; multiplied with a second projection (`up`), it gates it.
     """
     gate = x @ layer["gate_proj"].T  # (seq, 3072)
     up = x @ layer["up_proj"].T  # (seq, 3072)
@@ -321,9 +312,9 @@ def swiglu(x, layer):
 def transformer_block(x, layer, config, cache):
     """x (seq, 1024) -> (seq, 1024).
 
-    Pre-norm: each sub-layer reads a normalised copy of the residual stream x and *adds* its result to
-    x, never normalising x itself, so information (and, in training, gradient) flows straight from the
-    embedding to the last layer.
+    Pre-norm: each sub-layer reads a normalised copy of the residual stream x and *adds* its result
+    to x, never normalising x itself, so information (and, in training, gradient) flows straight
+    from the embedding to the last layer.
     """
     eps = config.rms_norm_eps
     h = x + attention(rms_norm(x, layer["input_layernorm"], eps), layer, config, cache)
@@ -335,14 +326,12 @@ def transformer_block(x, layer, config, cache):
 # ------------------------------------------------------------------------------------------------
 
 def forward(token_ids, weights, config, cache, last_only=True):
-    """Logits for token_ids (seq,), which continue the sequence already held in `cache`.
-
-    Returns (vocab,) scores for the next token, or (seq, vocab) for every position if not last_only.
-    """
+    """Logits for token_ids (seq,), which continue the sequence already in `cache` (one per layer):
+    (vocab,) scores for the next token, or (seq, vocab) for every position if not last_only."""
     x = embed(token_ids, weights["embed_tokens"])  # (seq, 1024)
     for layer, layer_cache in zip(weights["layers"], cache):
         x = transformer_block(x, layer, config, layer_cache)
-    if last_only:  # generation needs only the next token: skip (seq-1) x 151936 useless dot products
+    if last_only:  # generating needs only the next token: skip (seq-1) x 151936 dot products
         x = x[-1]
     x = rms_norm(x, weights["norm"], config.rms_norm_eps)
     return x @ weights["lm_head"].T  # (vocab,) or (seq, vocab): a score (logit) per token
@@ -354,76 +343,73 @@ def forward(token_ids, weights, config, cache, last_only=True):
 
 class Sampling(NamedTuple):
     temperature: float = 0.0  # 0 = greedy: always the most likely token
-    top_k: int = 0  # keep the k most likely tokens (0 = all)
-    top_p: float = 1.0  # then the smallest set of those whose probability reaches top_p
-    seed: int = 0  # the random stream, so a run can be repeated
+    top_k: int = 0  # keep the k most likely tokens (0 = all) ...
+    top_p: float = 1.0  # ... then the fewest of those whose probabilities add up to top_p
+    seed: int = 0  # the random stream, so that a run can be repeated
 
 
 def sample(logits, sampling, key):
-    """Temperature 0 = greedy (argmax). Otherwise softmax(logits / temperature), restricted to the top_k
-    most likely tokens, then to the smallest set of those whose renormalised probability reaches top_p
-    (the token that crosses the threshold is kept), as Hugging Face transformers does; renormalised
-    again and sampled with the random `key`."""
+    """Temperature 0 is greedy (argmax). Otherwise draw from softmax(logits / temperature), keeping
+    the top_k likeliest tokens, then the fewest of those whose renormalised probability reaches
+    top_p (the token crossing the threshold stays), as Hugging Face transformers does."""
     temperature, top_k, top_p, _ = sampling
     if temperature == 0:
         return mx.argmax(logits, axis=-1)
-    logits = logits.astype(mx.float32) / temperature  # < 1 sharpens the distribution, > 1 flattens it
-    if 0 < top_k < logits.shape[-1]:  # only the k largest can survive: sort those, not all 151936
+    logits = logits.astype(mx.float32) / temperature  # < 1 sharpens the distribution, > 1 flattens
+    if 0 < top_k < logits.shape[-1]:  # only the k largest can survive: sort those, not 151936
         candidates = mx.argpartition(-logits, top_k - 1)[:top_k]
-    else:  # no top-k: the whole vocabulary is sorted (top-p needs the order)
+    else:  # no top-k: sort the whole vocabulary (top-p needs the order)
         candidates = mx.arange(logits.shape[-1])
-    order = candidates[mx.argsort(-logits[candidates])]  # token ids, most likely first
+    order = candidates[mx.argsort(-logits[candidates])]  # token ids, likeliest first
     sorted_logits = logits[order]
     if top_p < 1:
         probs = mx.softmax(sorted_logits)
-        # Keep a token if the tokens strictly more likely than it sum to less than top_p.
+        # Keep a token if the tokens strictly likelier than it add up to less than top_p.
         sorted_logits = mx.where(mx.cumsum(probs) - probs < top_p, sorted_logits, -mx.inf)
-    return order[mx.random.categorical(sorted_logits, key=key)]  # categorical renormalises what is left
+    return order[mx.random.categorical(sorted_logits, key=key)]  # renormalises what is left
 
 
 # ------------------------------------------------------------------------------------------------
 # 11. Generate: prefill the prompt once, then decode one token at a time
 # ------------------------------------------------------------------------------------------------
 
-# A long prompt goes through in pieces: attention scores grow with the square of a piece's length, so
-# this bounds the memory of one forward pass, for a little speed (README, Performance).
+# A long prompt goes through in pieces: attention scores grow with the square of a piece's length,
+# so this bounds the memory of one pass, for a little speed (README, Performance).
 PREFILL_CHUNK = 1024
 
 
-def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(), use_cache=True):
-    """Yield (token id, the logits it was sampled from), one token at a time, until an id in eos_ids
-    (yielded too) or max_tokens. use_cache=False recomputes the whole sequence at every step."""
+def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
+             use_cache=True):
+    """Yield (token id, the logits it was drawn from) until an id in eos_ids (yielded too) or
+    max_tokens. use_cache=False recomputes the whole sequence at every step (an experiment)."""
     cache, key = make_cache(config), mx.random.key(sampling.seed)
-    sequence = mx.array(prompt_ids)  # every token so far; only the cache-less path reads it
+    sequence = mx.array(prompt_ids)  # every token so far (read without the cache)
 
     def next_logits(new_ids):
         nonlocal sequence
-        if use_cache:  # only the new tokens go through the model; the cache supplies the rest
+        if use_cache:  # only the new tokens go through the model; the cache holds the rest
             return forward(new_ids, weights, config, cache)
-        sequence = mx.concatenate([sequence, new_ids])  # no cache: the whole sequence, every time
-        return forward(sequence, weights, config, make_cache(config))
+        sequence = mx.concatenate([sequence, new_ids])
+        return forward(sequence, weights, config, make_cache(config))  # everything, every time
 
     def next_token(logits):
         nonlocal key
         key, sample_key = mx.random.split(key)
         return sample(logits, sampling, sample_key)
 
-    # Prefill: the prompt's tokens are all known, so they go through each layer together (big, efficient
-    # matrix products); this fills the cache and gives the logits for the first new token.
+    # Prefill: the prompt's tokens are all known, so they go through each layer together (large,
+    # efficient matrix products), filling the cache and giving the first new token's logits.
     prompt = sequence
-    if use_cache:
-        while len(prompt) > PREFILL_CHUNK:
-            forward(prompt[:PREFILL_CHUNK], weights, config, cache)
-            mx.eval([(c.keys, c.values) for c in cache])  # run this piece now, freeing its activations
-            prompt = prompt[PREFILL_CHUNK:]
-        logits = forward(prompt, weights, config, cache)
-    else:
-        logits = forward(prompt, weights, config, make_cache(config))
+    while use_cache and len(prompt) > PREFILL_CHUNK:
+        forward(prompt[:PREFILL_CHUNK], weights, config, cache)
+        mx.eval([(c.keys, c.values) for c in cache])  # run this piece now; frees its activations
+        prompt = prompt[PREFILL_CHUNK:]
+    logits = forward(prompt, weights, config, cache if use_cache else make_cache(config))
     token = next_token(logits)
     mx.async_eval(token)
-    # Decode: feed each new token back in. MLX is lazy, so step n+1 is *built* from the not-yet-computed
-    # token n and queued (async_eval) before we wait for token n: the GPU never idles while Python
-    # prepares the next step.
+    # Decode: feed each new token back in. Since MLX is lazy, step n+1 is *built* from the not yet
+    # computed token n and queued (async_eval) before we wait for token n: the GPU never idles while
+    # Python prepares the next step.
     for n in range(max_tokens):
         if n + 1 < max_tokens:
             following_logits = next_logits(token[None])  # (1,): a one-token sequence
@@ -431,7 +417,7 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
             mx.async_eval(following)
         token_id = token.item()  # waits for step n only
         yield token_id, logits
-        if token_id in eos_ids or n + 1 == max_tokens:  # (a step queued after an end token is dropped)
+        if token_id in eos_ids or n + 1 == max_tokens:  # a step queued after the end is dropped
             return
         token, logits = following, following_logits
 
@@ -440,15 +426,15 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 # 12. Compilation: the same functions, fewer and fused kernels
 # ------------------------------------------------------------------------------------------------
 #
-# Decoding one token is many small operations per layer, each far too small to keep a GPU busy, so
+# Decoding one token runs hundreds of small operations, each far too small to keep a GPU busy, so
 # their fixed costs (Python recording the graph, one kernel launch each) limit the speed, not the
-# arithmetic. mx.compile traces a function once per input shape and dtype, then replays the recorded
-# graph as one call, fusing element-wise steps into single kernels. We compile the two functions that
-# see the same shapes at every decoding step: queries_keys_values and swiglu. The rest of attention
-# cannot be: the keys and values it reads grow by one position per token.
+# arithmetic. mx.compile traces a function once per input shape and dtype, then replays the
+# recorded graph as one call, with element-wise steps fused into single kernels. We compile the two
+# functions whose shapes stay the same at every decoding step; the rest of attention cannot be, as
+# the keys and values it reads grow by one position per token.
 #
-# While tracing, the arrays are placeholders: a print() inside a compiled function shows a shape once
-# per trace, and print(x) of values fails. mx.disable_compile() (--no-compile) runs them op by op.
+# While tracing, arrays are placeholders: print(x.shape) inside a compiled function prints once per
+# trace, and print(x) fails. --no-compile (mx.disable_compile()) runs every operation one by one.
 
 queries_keys_values = mx.compile(queries_keys_values)
 swiglu = mx.compile(swiglu)
@@ -465,7 +451,7 @@ NEEDED_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # the oth
 
 
 class UserError(Exception):
-    """A mistake a person can fix (bad flag, missing file, ...): printed as one line, no traceback."""
+    """A mistake a person can fix (bad flag, missing file, ...): one line, no traceback."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -513,7 +499,8 @@ def weight_shapes(config):
         "q_proj": (q_dim, c.hidden_size), "k_proj": (kv_dim, c.hidden_size),
         "v_proj": (kv_dim, c.hidden_size), "o_proj": (c.hidden_size, q_dim),
         "q_norm": (c.head_dim,), "k_norm": (c.head_dim,),
-        "gate_proj": (c.intermediate_size, c.hidden_size), "up_proj": (c.intermediate_size, c.hidden_size),
+        "gate_proj": (c.intermediate_size, c.hidden_size),
+        "up_proj": (c.intermediate_size, c.hidden_size),
         "down_proj": (c.hidden_size, c.intermediate_size),
     }
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
@@ -521,13 +508,15 @@ def weight_shapes(config):
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     for i in range(c.num_hidden_layers):
-        shapes |= {f"model.layers.{i}.{LAYER_TENSORS[short]}": shape for short, shape in layer_shapes.items()}
+        shapes |= {f"model.layers.{i}.{LAYER_TENSORS[short]}": shape
+                   for short, shape in layer_shapes.items()}
     return shapes
 
 
 def check_weights(model_dir, config):
-    """Read model.safetensors' header (a length, then JSON: name -> dtype, shape, byte range) and check
-    every tensor Part 1 needs is there, with the right shape, inside the file. No weight is read."""
+    """Read model.safetensors' header (a length, then JSON: name -> dtype, shape, byte range) and
+    check that every tensor Part 1 needs is there, with its shape, inside the file (no weight is
+    read)."""
     path = Path(model_dir) / "model.safetensors"
     try:
         with path.open("rb") as f:
@@ -541,7 +530,8 @@ def check_weights(model_dir, config):
     except (UnicodeDecodeError, json.JSONDecodeError):
         header = None
     if not isinstance(header, dict):
-        raise UserError(f"{path} is not a readable safetensors file (no valid header); re-download it")
+        raise UserError(f"{path} is not a readable safetensors file (no valid header); "
+                        "re-download it")
     for name, shape in weight_shapes(config).items():
         entry = header.get(name)
         if not isinstance(entry, dict):
@@ -558,7 +548,7 @@ def check_weights(model_dir, config):
 
 
 def load_generation_config(model_dir):
-    """generation_config.json: the end-of-sequence ids and Qwen's recommended sampling (optional)."""
+    """generation_config.json (optional): end-of-sequence ids, Qwen's recommended sampling."""
     path = Path(model_dir) / "generation_config.json"
     if not path.exists():
         return {}
@@ -568,11 +558,11 @@ def load_generation_config(model_dir):
         raise UserError(f"cannot read {path} ({e}); delete or re-download it")
     if not isinstance(generation_config, dict):
         raise UserError(f"{path} is not a JSON object; delete or re-download it")
-    return {key: value for key, value in generation_config.items() if value is not None}  # null = unset
+    return {key: value for key, value in generation_config.items() if value is not None}  # null
 
 
 def eos_token_ids(generation_config, tokenizer):
-    """Ids that end a reply: <|im_end|> (151645) ends a chat turn, <|endoftext|> (151643) a document."""
+    """Ids that end a reply: <|im_end|> (151645) ends a chat turn, <|endoftext|> (151643) a text."""
     ids = generation_config.get("eos_token_id", [])
     ids = set(ids if isinstance(ids, list) else [ids])
     for token in ("<|im_end|>", "<|endoftext|>"):
@@ -582,7 +572,8 @@ def eos_token_ids(generation_config, tokenizer):
 
 
 def load_model(model_dir, dtype):
-    """Part 1's loaders, after checking what they assume: (config, weights, tokenizer, generation config)."""
+    """Part 1's loaders, after checking what they assume.
+    Returns (config, weights, tokenizer, generation config)."""
     check_config(model_dir)
     config = load_config(model_dir)
     check_weights(model_dir, config)
@@ -631,7 +622,8 @@ def download_model(model_dir):
         print(f"Downloading {HF_REPO} ({len(MODEL_FILES)} files, {total / 1e9:.2f} GB) "
               f"into {model_dir}/", file=sys.stderr)
         model_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.download-", dir=model_dir.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.download-",
+                                        dir=model_dir.parent))
         for name in MODEL_FILES:
             huggingface_hub.hf_hub_download(HF_REPO, name, local_dir=staging)
         model_dir.mkdir(exist_ok=True)
@@ -659,7 +651,8 @@ def find_model(model_arg, allow_download):
     if model_arg:  # an explicit folder is never filled with 0.6B files: it may hold another model
         raise UserError(f"{what}; point --model at a folder with {', '.join(NEEDED_FILES)}")
     if not allow_download:
-        raise UserError(f"{what} and --no-download was given; fetch it with: {download_command(model_dir)}")
+        raise UserError(f"{what} and --no-download was given; "
+                        f"fetch it with: {download_command(model_dir)}")
     try:
         download_model(model_dir)
     except UserError as e:
@@ -672,67 +665,79 @@ def find_model(model_arg, allow_download):
 # ------------------------------------------------------------------------------------------------
 
 def print_top_probs(logits, tokenizer, n):
-    """A table of the n most likely next tokens and their probabilities (" Paris" first, for the default)."""
+    """A table of the n likeliest next tokens and their probabilities (" Paris" first)."""
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
     top = mx.argsort(-probs)[:n].tolist()
     print(f"{'rank':>4}  {'token':<16} {'id':>7}  probability", file=sys.stderr)
     for rank, token_id in enumerate(top, 1):
         token = tokenizer.decode([token_id], skip_special_tokens=False)  # show <|im_end|> too
-        print(f"{rank:>4}  {token!r:<16} {token_id:>7}  {probs[token_id].item():.4f}", file=sys.stderr)
+        print(f"{rank:>4}  {token!r:<16} {token_id:>7}  {probs[token_id].item():.4f}",
+              file=sys.stderr)
 
 
-def describe(value):
-    if isinstance(value, mx.array):
-        return f"{tuple(value.shape)} {str(value.dtype).split('.')[-1]}"
-    return repr(value) if isinstance(value, (int, float)) else type(value).__name__
+# What each traced step does, for --trace.
+TRACED_STEPS = {
+    "embed": "one table row per token",
+    "rms_norm": "scale each vector to RMS 1, times the learned gains",
+    "apply_rope": "rotate channel pairs by position",
+    "queries_keys_values": "project to q, k, v heads; QK-norm and RoPE (the lines above)",
+    "cache.update_and_fetch": "store this layer's new keys/values, fetch all so far",
+    "attend": "softmax(q kᵀ/√d) v, each K/V head shared by a group of q heads",
+    "attention": "heads joined, output projection",
+    "swiglu": "feed-forward, widened inside, per position",
+}
+
+
+def shape(value):
+    return f"{tuple(value.shape)} {str(value.dtype).split('.')[-1]}"
 
 
 def trace(prompt_ids, weights, config, tokenizer):
-    """--trace: one forward pass over the prompt, narrated as it runs.
+    """--trace: one forward pass over the prompt, narrated while it runs.
 
-    Part 1 stays untouched: for this one pass, its functions are swapped (in this module's namespace,
-    where forward() looks them up) for wrappers that print each call's inputs and output. Block 0 is
-    shown call by call, every block by the size (RMS) of the residual stream it leaves. The wrappers
-    sit outside the compiled functions (swiglu is traced as one step), so this works with compilation
-    on: inside a compiled function values do not exist yet, outside they do.
+    Part 1 is untouched: for this one pass, the functions forward() calls are replaced, in this
+    module's namespace where it looks them up, by wrappers that print each call's shapes. Block 0
+    is shown call by call, then every block by the size (RMS) of the residual stream it leaves. It
+    works with compilation on: a compiled function calls the wrappers while MLX traces it, when
+    shapes are known (values are not, so RMS is printed only between blocks, outside compiled code).
     """
     log = lambda text: print(text, file=sys.stderr)
-    names = ("embed", "rms_norm", "apply_rope", "queries_keys_values", "attend", "attention", "swiglu")
-    originals = {name: globals()[name] for name in names}
-    original_block, original_update = transformer_block, KVCache.update_and_fetch
-    block = [0]  # the block being run
+    replaced = {name: globals()[name] for name in TRACED_STEPS if name != "cache.update_and_fetch"}
+    replaced["transformer_block"], update = transformer_block, KVCache.update_and_fetch
+    block = 0  # the block being run
 
     def wrap(name, function):
         def traced(*args):
             out = function(*args)
-            if block[0] == 0 or name == "embed":
-                arrays = [describe(a) for a in args if isinstance(a, mx.array)]
-                outs = out if isinstance(out, tuple) else (out,)
-                log(f"  {name:<18} {', '.join(arrays):<42} -> {', '.join(describe(o) for o in outs)}")
+            if block == 0:
+                inputs = ", ".join(shape(a) for a in args if isinstance(a, mx.array))
+                outs = ", ".join(shape(o) for o in (out if isinstance(out, tuple) else (out,)))
+                log(f"  {name:<22} {inputs} -> {outs}\n  {'':<22} ({TRACED_STEPS[name]})")
             return out
         return traced
 
     def traced_block(x, layer, config, cache):
-        if block[0] == 0:
+        nonlocal block
+        if block == 0:
             log("block 0, call by call:")
-        out = original_block(x, layer, config, cache)
+        out = replaced["transformer_block"](x, layer, config, cache)
         rms = mx.sqrt(mx.mean(out.astype(mx.float32) ** 2)).item()  # runs the block now
-        log(f"block {block[0]:>2} done: residual stream {describe(out)}, RMS {rms:.3f}")
-        block[0] += 1
+        log(f"block {block:>2} done: residual stream {shape(out)}, RMS {rms:.3f}")
+        block += 1
         return out
 
     pieces = " ".join(repr(tokenizer.decode([i])) for i in prompt_ids)
     log(f"tokens: {len(prompt_ids)} ids {prompt_ids}\n        {pieces}")
-    globals().update({name: wrap(name, fn) for name, fn in originals.items()})
+    globals().update({name: wrap(name, f) for name, f in replaced.items()})
     globals()["transformer_block"] = traced_block
-    KVCache.update_and_fetch = wrap("cache.update_and_fetch", original_update)
+    KVCache.update_and_fetch = wrap("cache.update_and_fetch", update)
     try:
         logits = forward(mx.array(prompt_ids), weights, config, make_cache(config))
         mx.eval(logits)
     finally:
-        globals().update(originals, transformer_block=original_block)
-        KVCache.update_and_fetch = original_update
-    log(f"final RMSNorm + LM head -> logits {describe(logits)}; the next token's probabilities:")
+        globals().update(replaced)
+        KVCache.update_and_fetch = update
+    log(f"final RMSNorm + LM head -> logits {shape(logits)}; the next token's probabilities:")
     print_top_probs(logits, tokenizer, 5)
 
 
@@ -772,7 +777,7 @@ def read_prompt(text):
             text = sys.stdin.buffer.read().decode("utf-8")
         except UnicodeDecodeError:
             raise UserError("the prompt on stdin is not valid UTF-8 text")
-        text = text[:-1] if text.endswith("\n") else text  # `echo ... |` adds a newline nobody typed
+        text = text[:-1] if text.endswith("\n") else text  # `echo ... |` adds a newline
     checked_text(text, "--prompt")
     if not text.strip():
         raise UserError("the prompt is empty; pass some text with --prompt")
@@ -808,30 +813,35 @@ def parse_args(argv):
                     help="the text to continue ('-' reads stdin)")
     ap.add_argument("--max-tokens", type=number(int, 1), default=100,
                     help="stop after this many new tokens (100)")
-    ap.add_argument("--temperature", type=number(float, 0), help="0 = greedy (default; 0.6 with --chat)")
-    ap.add_argument("--top-p", type=number(float, 0, 1, low_open=True), help="nucleus sampling mass (0.95)")
+    ap.add_argument("--temperature", type=number(float, 0),
+                    help="0 = greedy (default; 0.6 with --chat)")
+    ap.add_argument("--top-p", type=number(float, 0, 1, low_open=True),
+                    help="nucleus sampling mass (0.95)")
     ap.add_argument("--top-k", type=number(int, 0),
                     help="keep only the k most likely tokens, 0 = all (0; 20 with --chat)")
     ap.add_argument("--seed", type=number(int, 0, 2**64 - 1),
                     help="random seed for sampling (default: a fresh one)")
-    ap.add_argument("--model", help="model folder (default: ./Qwen3-0.6B, else Qwen3-0.6B next to this script)")
-    ap.add_argument("--no-download", action="store_true", help="never download the model, fail instead")
+    ap.add_argument("--model",
+                    help="model folder (default: ./Qwen3-0.6B, else the one next to this script)")
+    ap.add_argument("--no-download", action="store_true",
+                    help="never download the model, fail instead")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in Qwen3's chat format")
     ap.add_argument("--system", help="system message for --chat")
-    ap.add_argument("--no-think", action="store_true", help="with --chat: skip Qwen3's <think> reasoning")
+    ap.add_argument("--no-think", action="store_true",
+                    help="with --chat: skip Qwen3's <think> reasoning")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                     help="auto = bfloat16 on a GPU, float32 on the CPU")
-    experiments = ap.add_argument_group("experiments (README, Experiments)")
-    experiments.add_argument("--top-probs", type=number(int, 1), metavar="N",
-                             help="print the N most likely first tokens and their probabilities")
-    experiments.add_argument("--trace", action="store_true",
-                             help="narrate one forward pass over the prompt (shapes, dtypes, sizes), then stop")
-    experiments.add_argument("--no-cache", action="store_true",
-                             help="recompute the whole sequence at every step instead of using the KV cache")
-    experiments.add_argument("--no-compile", action="store_true",
-                             help="run every operation one by one, so print() inside the model works")
-    experiments.add_argument("--reference-ops", action="store_true",
-                             help="run the hand-written RMSNorm/RoPE/attention, not MLX's fused kernels")
+    lab = ap.add_argument_group("experiments (README, Experiments)")
+    lab.add_argument("--top-probs", type=number(int, 1), metavar="N",
+                     help="print the N likeliest first tokens and their probabilities")
+    lab.add_argument("--trace", action="store_true",
+                     help="narrate one forward pass over the prompt (shapes, sizes); no reply")
+    lab.add_argument("--no-cache", action="store_true",
+                     help="recompute the whole sequence at every step, without the KV cache")
+    lab.add_argument("--no-compile", action="store_true",
+                     help="run every operation one by one, so print() inside the model works")
+    lab.add_argument("--reference-ops", action="store_true",
+                     help="run the hand-written RMSNorm/RoPE/attention, not MLX's fused kernels")
     args = ap.parse_args(argv)
     if (args.system is not None or args.no_think) and not args.chat:
         ap.error("--system and --no-think only apply with --chat")
@@ -839,12 +849,13 @@ def parse_args(argv):
 
 
 def sampling_settings(args, generation_config):
-    """Explicit flags win; with --chat, the model's generation_config.json fills the rest (Qwen3: 0.6,
-    0.95, 20); plain completion defaults to greedy decoding, the most likely token every time."""
+    """Explicit flags win; with --chat, the model's generation_config.json fills the rest (Qwen3:
+    0.6, 0.95, 20); plain completion defaults to greedy decoding, the likeliest token every time."""
     recommended = generation_config if args.chat else {}
-    temperature = args.temperature if args.temperature is not None else recommended.get("temperature", 0.0)
-    top_p = args.top_p if args.top_p is not None else recommended.get("top_p", 0.95)
-    top_k = args.top_k if args.top_k is not None else recommended.get("top_k", 0)
+    given = lambda flag, name, default: flag if flag is not None else recommended.get(name, default)
+    temperature = given(args.temperature, "temperature", 0.0)
+    top_p = given(args.top_p, "top_p", 0.95)
+    top_k = given(args.top_k, "top_k", 0)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     return Sampling(float(temperature), int(top_k), float(top_p), seed)
 
@@ -866,8 +877,9 @@ def main(argv=None):
     text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
     prompt_ids = tokenize(tokenizer, text)
     if len(prompt_ids) + args.max_tokens > config.max_position_embeddings:
-        raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens {args.max_tokens} "
-                        f"that exceeds the model's {config.max_position_embeddings}-token context: "
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens "
+                        f"{args.max_tokens} that exceeds the model's "
+                        f"{config.max_position_embeddings}-token context: "
                         "shorten it or lower --max-tokens")
 
     c = config
@@ -877,20 +889,20 @@ def main(argv=None):
     if sampling.temperature == 0:
         how = "greedy"
     else:
-        how = (f"temperature {sampling.temperature}, top-p {sampling.top_p}, top-k {sampling.top_k}, "
-               f"seed {sampling.seed}")
+        how = (f"temperature {sampling.temperature}, top-p {sampling.top_p}, "
+               f"top-k {sampling.top_k}, seed {sampling.seed}")
     print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {how}", file=sys.stderr)
     if args.trace:
         trace(prompt_ids, weights, config, tokenizer)
         return 0
 
-    # Stream: print each piece as soon as it is decoded. DecodeStream holds back bytes of a character
-    # split across tokens (emoji, CJK) until the character is complete, so nothing prints as garbage.
+    # Stream: print each piece as soon as it is decoded. DecodeStream holds back the bytes of a
+    # character split across tokens (emoji, CJK) until it is complete: nothing prints as garbage.
     stream, n_generated, interrupted = DecodeStream(skip_special_tokens=True), 0, False
     start = first = time.perf_counter()
     try:
-        for token_id, logits in generate(prompt_ids, weights, config, args.max_tokens, sampling, eos_ids,
-                                         use_cache=not args.no_cache):
+        for token_id, logits in generate(prompt_ids, weights, config, args.max_tokens, sampling,
+                                         eos_ids, use_cache=not args.no_cache):
             if n_generated == 0:
                 first = time.perf_counter()  # prefill done: time to first token
                 if args.top_probs:  # the very logits the first token was sampled from
@@ -909,7 +921,8 @@ def main(argv=None):
     decode_rate = (n_generated - 1) / (end - first) if n_generated > 1 else 0.0
     print(f"{'Interrupted. ' if interrupted else ''}Prompt: {len(prompt_ids)} tokens, "
           f"{prefill_rate:.1f} tok/s | Generated: {n_generated} tokens, {decode_rate:.1f} tok/s | "
-          f"Total: {end - start:.2f} s | Peak memory: {mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr)
+          f"Total: {end - start:.2f} s | Peak memory: {mx.get_peak_memory() / 1e9:.2f} GB",
+          file=sys.stderr)
     return 130 if interrupted else 0
 
 
@@ -923,5 +936,5 @@ if __name__ == "__main__":
         print("\nInterrupted.", file=sys.stderr)
         sys.exit(130)
     except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush cannot fail too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit's flush can't fail
         sys.exit(141)
