@@ -46,27 +46,29 @@ from tokenizers.decoders import DecodeStream
 # ------------------------------------------------------------------------------------------------
 
 class Config(NamedTuple):  # a NamedTuple: mx.compile accepts it as an argument (section 12)
-    hidden_size: int  # 1024: width of the "residual stream" every layer reads and adds to
+    hidden_size: int  # 1024: width of the "residual stream" every layer reads and adds to (8.)
     num_hidden_layers: int  # 28 transformer blocks
     num_attention_heads: int  # 16 query heads ...
-    num_key_value_heads: int  # ... sharing 8 key/value heads (grouped-query attention)
-    head_dim: int  # 128; note 16 * 128 = 2048 != 1024: Qwen3 sets it explicitly
+    num_key_value_heads: int  # ... sharing 8 key/value heads (grouped-query attention, 6.)
+    head_dim: int  # 128: usually hidden_size / heads (64), but Qwen3 sets it: q is 16 x 128 wide
     intermediate_size: int  # 3072: width of the SwiGLU feed-forward
     vocab_size: int  # 151936 rows in the embedding table
     rope_theta: float  # 1e6: base of the rotary position frequencies
     rms_norm_eps: float  # 1e-6: keeps RMSNorm from dividing by zero
     tie_word_embeddings: bool  # True: the LM head reuses the embedding table
-    max_position_embeddings: int  # 40960: the longest sequence the model was built for
+    max_position_embeddings: int  # 40960: the longest sequence (prompt + reply) the config allows
 
 
 def load_config(model_dir):
     raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     # transformers >= 5 writes rope_theta inside a "rope_parameters" dict.
     raw.setdefault("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
+    # Each field's annotation (int, float, bool) converts the JSON value.
     return Config(**{name: kind(raw[name]) for name, kind in Config.__annotations__.items()})
 
 
-# A layer's tensors: the short name used below -> the name in the checkpoint. Shapes are (out, in).
+# A layer's tensors: the short name used below -> the name in the checkpoint. Matrices are stored
+# (out, in), PyTorch's nn.Linear layout, so a layer computes x @ W.T.
 LAYER_TENSORS = {
     "input_layernorm": "input_layernorm.weight",  # (1024,)
     "q_proj": "self_attn.q_proj.weight",  # (2048, 1024) = (16 heads x 128, 1024)
@@ -86,9 +88,11 @@ def load_weights(model_dir, config, dtype):
     """{"embed_tokens", "layers": [{"q_proj": ..., ...} x 28], "norm", "lm_head"}, as `dtype`."""
     tensors = mx.load(str(Path(model_dir) / "model.safetensors"))  # lazy: nothing read yet
 
-    def tensor(name):  # read and convert one at a time: the file's bfloat16 copy of everything
-        weight = tensors.pop(name).astype(dtype)  # never sits beside the converted weights
-        mx.eval(weight)  # (in float32 that would peak at 1.5x the weights)
+    # Read and convert one tensor at a time, so the file's bfloat16 copy of everything never sits
+    # beside the converted weights (in float32 that would peak at 1.5x the weights).
+    def tensor(name):
+        weight = tensors.pop(name).astype(dtype)
+        mx.eval(weight)
         return weight
 
     layers = [{short: tensor(f"model.layers.{i}.{name}") for short, name in LAYER_TENSORS.items()}
@@ -123,7 +127,8 @@ def chat_prompt(user, system=None, think=True):
 
     The text ends by opening the assistant's turn, so the likeliest continuation is a reply. Qwen3
     first "thinks" inside <think>...</think>; an empty think block (what Qwen's template writes for
-    enable_thinking=False) makes it answer directly. An empty system message is still a turn.
+    enable_thinking=False) makes it answer directly. system="" writes an empty system turn; None
+    writes none. The tokenizer maps each marker such as <|im_start|> to one special id.
     """
     text = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
     text += f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
@@ -138,16 +143,17 @@ def embed(token_ids, embed_tokens):
     return embed_tokens[token_ids]  # (seq,) ids -> (seq, 1024)
 
 
-# RMSNorm, RoPE and attention are written out below as math: several MLX operations each. MLX also
-# ships each as one fused kernel that computes the same numbers in one pass over memory, which is
-# faster; the tests prove the two equal. This flag picks the kernels. The command line's
-# --reference-ops clears it once, before anything runs, to run the math as written.
-FUSED_KERNELS = True
-
-
 # ------------------------------------------------------------------------------------------------
 # 4. RMSNorm: rescale each vector to unit root-mean-square, then by a learned per-channel gain
 # ------------------------------------------------------------------------------------------------
+
+# RMSNorm, RoPE and attention are written out below as math: several MLX operations each. MLX also
+# ships each as one fused kernel that computes the same numbers (to rounding; the tests check it)
+# in one pass over memory, which is faster. This flag picks the kernels. The command line's
+# --reference-ops clears it once, before anything runs: compiled code (section 12) keeps the value
+# it saw when it was traced.
+FUSED_KERNELS = True
+
 
 def rms_norm(x, weight, eps):
     """x / sqrt(mean(x²) + eps) * weight, over the last axis: layers read inputs of one scale."""
@@ -205,10 +211,10 @@ def queries_keys_values(x, layer, config, offset):
     q = (x @ layer["q_proj"].T).reshape(seq, c.num_attention_heads, c.head_dim).swapaxes(0, 1)
     k = (x @ layer["k_proj"].T).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
     v = (x @ layer["v_proj"].T).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
-    # QK-norm (new in Qwen3): RMS-normalise each head's queries and keys. Otherwise their sizes can
-    # creep up in training until the softmax saturates and training turns unstable; here their scale
-    # is set by two small learned gains. It comes before RoPE because the gains are per channel, and
-    # the rotation then mixes channel pairs.
+    # QK-norm (new in Qwen3 compared with Qwen2.5): RMS-normalise each head's 128 query and key
+    # channels. Otherwise their sizes can creep up in training until the softmax saturates and
+    # training turns unstable; here their scale is set by two small learned gains. The order matters
+    # (per-channel gains do not commute with the rotation), and Qwen3 was trained normalising first.
     q = apply_rope(rms_norm(q, layer["q_norm"], c.rms_norm_eps), offset, c.rope_theta)
     k = apply_rope(rms_norm(k, layer["k_norm"], c.rms_norm_eps), offset, c.rope_theta)
     return q, k, v  # (16, seq, 128), (8, seq, 128), (8, seq, 128)
@@ -236,8 +242,8 @@ class KVCache:
         if self.offset + seq > capacity:  # grow by whole chunks
             extra = math.ceil((self.offset + seq - capacity) / self.GROWTH) * self.GROWTH
             empty = mx.zeros((n_kv_heads, extra, head_dim), k.dtype)
-            if self.keys is None:
-                self.keys, self.values = empty, mx.zeros_like(empty)  # two separate buffers
+            if self.keys is None:  # two distinct arrays: `a[...] = x` below changes the array
+                self.keys, self.values = empty, mx.zeros_like(empty)  # object itself
             else:
                 self.keys = mx.concatenate([self.keys, empty], axis=1)
                 self.values = mx.concatenate([self.values, empty], axis=1)
@@ -261,7 +267,8 @@ def attend(q, k, v):
     scale = 1 / math.sqrt(head_dim)
     if not FUSED_KERNELS:
         # Grouped-query attention by broadcasting: q viewed as (8 groups, 2 heads, ...) meets k, v
-        # viewed as (8, 1, ...), so each pair of query heads shares one K/V head; nothing is copied.
+        # viewed as (8, 1, ...), so each pair of query heads shares one K/V head, and no repeated
+        # copy of the keys and values is built.
         q = q.reshape(n_kv_heads, n_heads // n_kv_heads, seq, head_dim)  # (8, 2, seq, 128)
         k, v = k[:, None], v[:, None]  # (8, 1, total, 128)
         scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total)
@@ -279,13 +286,14 @@ def attend(q, k, v):
 
 def attention(x, layer, config, cache):
     """x (seq, 1024), already normalised -> (seq, 1024): what each position gathers from others."""
-    # The offset is passed as an array, so the compiled queries_keys_values (section 12) is traced
-    # once, not once per position.
+    # The offset is passed as an array: a compiled function (section 12) is traced again for every
+    # new Python number it gets, but not for a new array value.
     q, k, v = queries_keys_values(x, layer, config, mx.array(cache.offset))
     k, v = cache.update_and_fetch(k, v)  # (8, total, 128): the earlier positions' and these
     heads = attend(q, k, v)  # (16, seq, 128)
     # Concatenate the heads into one vector per position; the output projection mixes them.
-    return heads.swapaxes(0, 1).reshape(x.shape[0], -1) @ layer["o_proj"].T  # (seq, 1024)
+    heads = heads.swapaxes(0, 1).reshape(x.shape[0], -1)  # (seq, 16 x 128 = 2048)
+    return heads @ layer["o_proj"].T  # (seq, 1024)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -293,7 +301,8 @@ def attention(x, layer, config, cache):
 # ------------------------------------------------------------------------------------------------
 
 def swiglu(x, layer):
-    """(seq, 1024) -> (seq, 3072) -> (seq, 1024): most of the model's weights, and its knowledge.
+    """(seq, 1024) -> (seq, 3072) -> (seq, 1024): about 60% of each block's weights, and thought to
+    hold much of what the model knows. (SwiGLU: a Gated Linear Unit with the Swish, or silu, gate.)
 
     Attention moves information between positions; this works on each position alone. It widens to
     3x the width to have room for many features at once, then projects back. silu(g) = g * σ(g) is
@@ -344,7 +353,7 @@ def forward(token_ids, weights, config, cache, last_only=True):
 class Sampling(NamedTuple):
     temperature: float = 0.0  # 0 = greedy: always the most likely token
     top_k: int = 0  # keep the k most likely tokens (0 = all) ...
-    top_p: float = 1.0  # ... then the fewest of those whose probabilities add up to top_p
+    top_p: float = 1.0  # ... then the fewest of those whose probabilities add up to >= top_p
     seed: int = 0  # the random stream, so that a run can be repeated
 
 
@@ -352,10 +361,12 @@ def sample(logits, sampling, key):
     """Temperature 0 is greedy (argmax). Otherwise draw from softmax(logits / temperature), keeping
     the top_k likeliest tokens, then the fewest of those whose renormalised probability reaches
     top_p (the token crossing the threshold stays), as Hugging Face transformers does."""
-    temperature, top_k, top_p, _ = sampling
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     if temperature == 0:
         return mx.argmax(logits, axis=-1)
     logits = logits.astype(mx.float32) / temperature  # < 1 sharpens the distribution, > 1 flattens
+    if top_k == 0 and top_p == 1:  # nothing to filter
+        return mx.random.categorical(logits, key=key)
     if 0 < top_k < logits.shape[-1]:  # only the k largest can survive: sort those, not 151936
         candidates = mx.argpartition(-logits, top_k - 1)[:top_k]
     else:  # no top-k: sort the whole vocabulary (top-p needs the order)
@@ -373,8 +384,9 @@ def sample(logits, sampling, key):
 # 11. Generate: prefill the prompt once, then decode one token at a time
 # ------------------------------------------------------------------------------------------------
 
-# A long prompt goes through in pieces: attention scores grow with the square of a piece's length,
-# so this bounds the memory of one pass, for a little speed (README, Performance).
+# A long prompt goes through in pieces of 1024 tokens: a piece's attention scores are
+# (heads, piece, total) rather than (heads, total, total), which bounds the memory of one pass at a
+# small cost in speed (README, Performance).
 PREFILL_CHUNK = 1024
 
 
@@ -383,14 +395,15 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
     """Yield (token id, the logits it was drawn from) until an id in eos_ids (yielded too) or
     max_tokens. use_cache=False recomputes the whole sequence at every step (an experiment)."""
     cache, key = make_cache(config), mx.random.key(sampling.seed)
-    sequence = mx.array(prompt_ids)  # every token so far (read without the cache)
+    all_ids = mx.array(prompt_ids)  # the whole sequence; only the use_cache=False experiment
+    #                                 reads it after the prefill
 
     def next_logits(new_ids):
-        nonlocal sequence
+        nonlocal all_ids
         if use_cache:  # only the new tokens go through the model; the cache holds the rest
             return forward(new_ids, weights, config, cache)
-        sequence = mx.concatenate([sequence, new_ids])
-        return forward(sequence, weights, config, make_cache(config))  # everything, every time
+        all_ids = mx.concatenate([all_ids, new_ids])
+        return forward(all_ids, weights, config, make_cache(config))  # everything, every time
 
     def next_token(logits):
         nonlocal key
@@ -399,10 +412,12 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 
     # Prefill: the prompt's tokens are all known, so they go through each layer together (large,
     # efficient matrix products), filling the cache and giving the first new token's logits.
-    prompt = sequence
+    prompt = all_ids
     while use_cache and len(prompt) > PREFILL_CHUNK:
         forward(prompt[:PREFILL_CHUNK], weights, config, cache)
-        mx.eval([(c.keys, c.values) for c in cache])  # run this piece now; frees its activations
+        # Run this piece now, freeing its activations. Only the cache is asked for, so (MLX being
+        # lazy) this piece's logits are never computed.
+        mx.eval([(c.keys, c.values) for c in cache])
         prompt = prompt[PREFILL_CHUNK:]
     logits = forward(prompt, weights, config, cache if use_cache else make_cache(config))
     token = next_token(logits)
@@ -428,14 +443,16 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 #
 # Decoding one token runs hundreds of small operations, each far too small to keep a GPU busy, so
 # their fixed costs (Python recording the graph, one kernel launch each) limit the speed, not the
-# arithmetic. mx.compile traces a function once per input shape and dtype, then replays the
-# recorded graph as one call, with element-wise steps fused into single kernels. We compile the two
-# functions whose shapes stay the same at every decoding step; the rest of attention cannot be, as
-# the keys and values it reads grow by one position per token.
+# arithmetic. mx.compile traces a function once per input shape and dtype (and per value of any
+# Python number passed in), then replays the recorded graph as one call, with element-wise steps
+# fused into single kernels. We compile the two functions whose shapes stay the same at every
+# decoding step; the rest of attention cannot be, as the keys and values it reads grow by one
+# position per token.
 #
 # While tracing, arrays are placeholders: print(x.shape) inside a compiled function prints once per
 # trace, and print(x) fails. --no-compile (mx.disable_compile()) runs every operation one by one.
 
+# Rebinding the names is enough: their callers look them up when they are called.
 queries_keys_values = mx.compile(queries_keys_values)
 swiglu = mx.compile(swiglu)
 
@@ -697,13 +714,15 @@ def trace(prompt_ids, weights, config, tokenizer):
 
     Part 1 is untouched: for this one pass, the functions forward() calls are replaced, in this
     module's namespace where it looks them up, by wrappers that print each call's shapes. Block 0
-    is shown call by call, then every block by the size (RMS) of the residual stream it leaves. It
+    is shown call by call (a call prints when it returns, so a function's inner calls come before
+    it), then every block by the size (RMS) of the residual stream it leaves. It
     works with compilation on: a compiled function calls the wrappers while MLX traces it, when
     shapes are known (values are not, so RMS is printed only between blocks, outside compiled code).
     """
     log = lambda text: print(text, file=sys.stderr)
     replaced = {name: globals()[name] for name in TRACED_STEPS if name != "cache.update_and_fetch"}
-    replaced["transformer_block"], update = transformer_block, KVCache.update_and_fetch
+    replaced["transformer_block"] = transformer_block
+    update = KVCache.update_and_fetch
     block = 0  # the block being run
 
     def wrap(name, function):
