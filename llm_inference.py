@@ -193,7 +193,8 @@ def apply_rope(x, offset, theta):
 #
 # Each position emits, per head, a query ("what am I looking for?"), a key ("what do I hold?") and a
 # value ("what do I pass on?"). Its output is an average of the values, weighted by how well its
-# query matches each key:  softmax(Q Kᵀ / √head_dim) · V  (the √128 keeps the scores' variance ~1).
+# query matches each key: softmax(Q Kᵀ / √head_dim) · V, where √128 keeps the scores'
+# variance near 1.
 #
 # A dot product cannot tell where tokens are: shuffle the keys and the weights shuffle along. So
 # RoPE (section 5) mixes positions into queries and keys, and a causal mask keeps each position
