@@ -554,13 +554,16 @@ def check_weights(model_dir, config):
         entry = header.get(name)
         if not isinstance(entry, dict):
             raise UserError(f"{path} lacks the tensor {name!r}")
-        if tuple(entry.get("shape", ())) != shape:
-            raise UserError(f"{path}: tensor {name!r} has shape {tuple(entry.get('shape', ()))}, "
-                            f"expected {shape}")
+        stored, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(stored, list) or not isinstance(offsets, list) or len(offsets) != 2:
+            raise UserError(f"{path} is damaged (a malformed header entry for {name!r}); "
+                            "re-download it")
+        if tuple(stored) != shape:
+            raise UserError(f"{path}: tensor {name!r} has shape {tuple(stored)}, expected {shape}")
         if entry.get("dtype") not in ("BF16", "F16", "F32"):
             raise UserError(f"{path}: tensor {name!r} is stored as {entry.get('dtype')}, "
                             "expected BF16, F16 or F32")
-        if 8 + header_size + entry.get("data_offsets", [0, math.inf])[1] > size:
+        if not isinstance(offsets[1], int) or 8 + header_size + offsets[1] > size:
             raise UserError(f"{path} is damaged (it ends inside tensor {name!r}: an interrupted "
                             "download?); re-download it")
 

@@ -429,6 +429,18 @@ def test_safetensors_truncated(tiny_model, variant, tmp_path, keep):
     assert re.search(r"damaged|not a readable safetensors", line), line
 
 
+@pytest.mark.parametrize("field, value", [("data_offsets", "x"), ("shape", None), ("data_offsets", [0, "end"])])
+def test_safetensors_header_entry_malformed(tiny_model, variant, tmp_path, field, value):
+    data = (tiny_model / "model.safetensors").read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:header_end])
+    header["model.norm.weight"][field] = value
+    raw = json.dumps(header).encode()
+    folder = variant(model_safetensors=len(raw).to_bytes(8, "little") + raw + data[header_end:])
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "model.safetensors is damaged",
+                          "'model.norm.weight'")
+
+
 def test_safetensors_garbage(variant, tmp_path):
     folder = variant(model_safetensors=bytes(range(256)) * 64)
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "model.safetensors is not a readable safetensors file")
