@@ -3,6 +3,7 @@
     python bench.py                      # Qwen3-0.6B shape (random weights unless ./Qwen3-0.6B exists)
     python bench.py --tiny               # a 2-layer model: measures per-token overhead, not the matmuls
     python bench.py --device cpu --dtype float32 --prompt-lengths 128 --decode-tokens 64
+    LLM_INFERENCE_BLAS=0 python bench.py ...   # Linux CPU: MLX's bundled BLAS instead of OpenBLAS
 
 For each prompt length: a warm-up, then --reps repetitions alternating which runtime goes first. Prints
 medians of prefill speed, time to first token (TTFT), decode speed and peak memory, the ratios ours /
@@ -16,11 +17,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import llm_inference as li  # noqa: E402
+import llm_inference as li  # first: it loads OpenBLAS, if installed, before MLX (see its top)
+
+import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 
 
 def ours(weights, config):
@@ -160,7 +161,8 @@ def main():
 
     unique = {id(w): w for w in by_checkpoint_name(weights).values()}  # a tied head is counted once
     weight_bytes = sum(w.nbytes for w in unique.values())
-    print(f"MLX {mx.__version__}, device {mx.default_device()}, dtype {str(dtype).split('.')[-1]}, "
+    blas = f", {'OpenBLAS' if li.OPENBLAS else 'bundled BLAS'}" if li.MLX_CPU_WHEEL else ""
+    print(f"MLX {mx.__version__}, device {mx.default_device()}{blas}, dtype {str(dtype).split('.')[-1]}, "
           f"{config.num_hidden_layers} layers, {weight_bytes / 1e9:.2f} GB of weights")
     if args.cache_lengths:
         cache_experiment(weights, config, args.cache_lengths, reps=args.reps)

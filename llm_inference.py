@@ -23,6 +23,7 @@ recorded graph into one reusable, fused call (section 12).
 """
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -32,6 +33,17 @@ import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
+
+# Plumbing that must run before MLX loads: on Linux CPUs, use OpenBLAS if it is installed (Part 2,
+# "OpenBLAS", says why; LLM_INFERENCE_BLAS=0 turns it off).
+MLX_CPU_WHEEL = any(Path(folder, "mlx_cpu.libs").is_dir() for folder in sys.path)
+OPENBLAS = False
+if MLX_CPU_WHEEL and os.environ.get("LLM_INFERENCE_BLAS") != "0" and "mlx.core" not in sys.modules:
+    try:
+        ctypes.CDLL("libopenblas.so.0", mode=ctypes.RTLD_GLOBAL)
+        OPENBLAS = True
+    except OSError:  # not installed: main() prints the command that installs it
+        pass
 
 import mlx.core as mx
 from tokenizers import Tokenizer
@@ -774,11 +786,23 @@ def device_name():
     return "gpu (Metal)" if mx.metal.is_available() else "gpu (CUDA)"
 
 
+# OpenBLAS, the lines at the top of the file. MLX's Linux CPU wheel (the mlx-cpu package, unpacked
+# next to mlx/ with its libraries in mlx_cpu.libs/) does float32 matrix products by calling
+# cblas_sgemm from a bundled reference BLAS: plain loops, several times slower than the memory
+# allows. A library opened with RTLD_GLOBAL before MLX loads comes first when the dynamic linker
+# resolves MLX's symbols, so loading OpenBLAS that way sends those calls to OpenBLAS; loaded after
+# MLX it is never used. bfloat16 products do not go through BLAS (MLX runs its own SIMD loops,
+# reading half the bytes), so they are the faster choice when only the reference BLAS is there.
+# macOS and the CUDA wheel do matrix products on the GPU: there the lines load nothing.
+OPENBLAS_HINT = ("Hint: this CPU runs float32 faster with OpenBLAS, which this script uses once "
+                 "installed: sudo apt-get install libopenblas0-pthread")
+
+
 def pick_dtype(name):
-    """'auto' = bfloat16 on a GPU; float32 on the CPU, where MLX runs bfloat16 through a slow path
-    (README, Platforms)."""
+    """'auto' = the faster dtype for the matrix products at hand: float32 with OpenBLAS, otherwise
+    bfloat16 (on a GPU, and on a CPU with the bundled reference BLAS; README, Platforms)."""
     if name == "auto":
-        return mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+        return mx.float32 if OPENBLAS else mx.bfloat16
     return getattr(mx, name)
 
 
@@ -909,6 +933,8 @@ def main(argv=None):
     print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
           f"{c.num_attention_heads} Q heads, {c.num_key_value_heads} KV heads) on {device_name()}, "
           f"{str(dtype).split('.')[-1]}", file=sys.stderr)
+    if MLX_CPU_WHEEL and not OPENBLAS:
+        print(OPENBLAS_HINT, file=sys.stderr)
     if sampling.temperature == 0:
         how = "greedy"
     else:
