@@ -788,21 +788,20 @@ def device_name():
 
 # OpenBLAS, the lines at the top of the file. MLX's Linux CPU wheel (the mlx-cpu package, unpacked
 # next to mlx/ with its libraries in mlx_cpu.libs/) does float32 matrix products by calling
-# cblas_sgemm from a bundled reference BLAS: plain loops, several times slower than the memory
+# cblas_sgemm from a bundled reference BLAS: plain loops, slower than the memory
 # allows. A library opened with RTLD_GLOBAL before MLX loads comes first when the dynamic linker
 # resolves MLX's symbols, so loading OpenBLAS that way sends those calls to OpenBLAS; loaded after
-# MLX it is never used. bfloat16 products do not go through BLAS (MLX runs its own SIMD loops,
-# reading half the bytes), so they are the faster choice when only the reference BLAS is there.
-# macOS and the CUDA wheel do matrix products on the GPU: there the lines load nothing.
+# MLX it is never used. macOS and the CUDA wheel do matrix products on the GPU: there the lines
+# load nothing.
 OPENBLAS_HINT = ("Hint: this CPU runs float32 faster with OpenBLAS, which this script uses once "
                  "installed: sudo apt-get install libopenblas0-pthread")
 
 
 def pick_dtype(name):
-    """'auto' = the faster dtype for the matrix products at hand: float32 with OpenBLAS, otherwise
-    bfloat16 (on a GPU, and on a CPU with the bundled reference BLAS; README, Platforms)."""
+    """'auto' = bfloat16 on a GPU; float32 on the CPU, where MLX runs bfloat16 products through
+    its own slower loops, with or without OpenBLAS (README, Platforms)."""
     if name == "auto":
-        return mx.float32 if OPENBLAS else mx.bfloat16
+        return mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     return getattr(mx, name)
 
 
