@@ -1,8 +1,8 @@
 """OpenBLAS on Linux CPUs: llm_inference.py loads it before MLX when it is installed (its first lines),
 the command line hints at installing it when it is missing, `--dtype auto` stays float32 on the CPU,
-and the text and logits do not depend on it.
+and the text and logits agree with and without it.
 
-The facts of the machine come from elsewhere: whether MLX is its Linux CPU wheel from the installed
+The facts of the machine come from elsewhere: whether MLX is the Linux CPU wheel from the installed
 package metadata, whether OpenBLAS is installed from the linker cache (ctypes.util.find_library), and
 whether it was loaded from the process's memory map. LLM_INFERENCE_BLAS=0 stands in for a machine
 without it, so each test checks both cases on a machine that has it, and the bare case on one that
@@ -24,6 +24,8 @@ from tests.test_cli import PROMPT, SCRIPT, cli_env, parse_success, run_cli, tiny
 CPU_WHEEL = any(importlib.metadata.distributions(name="mlx-cpu"))  # MLX's Linux CPU-only build
 INSTALLED = CPU_WHEEL and ctypes.util.find_library("openblas") is not None
 SWITCHES = {"default": None, "off": "0"}  # LLM_INFERENCE_BLAS
+# The libraries a process has mapped (Linux); macOS has no /proc, and nothing to load there.
+MAPS = "(open('/proc/self/maps') if sys.platform == 'linux' else [])"
 
 
 def in_subprocess(code, tmp_path, blas, *args):
@@ -37,7 +39,7 @@ def in_subprocess(code, tmp_path, blas, *args):
 
 @pytest.mark.parametrize("blas", SWITCHES)
 def test_openblas_is_loaded_exactly_when_installed_and_not_switched_off(tmp_path, blas):
-    maps = "[line.split()[-1] for line in open('/proc/self/maps') if 'openblas' in line]"
+    maps = f"[line.split()[-1] for line in {MAPS} if 'openblas' in line]"
     state = in_subprocess(f"print(json.dumps(dict(flag=li.OPENBLAS, cpu_wheel=li.MLX_CPU_WHEEL, "
                           f"mapped={maps}, auto=str(li.pick_dtype('auto')))))", tmp_path, blas)
     expected = INSTALLED and blas == "default"
@@ -52,7 +54,7 @@ def test_loading_after_mlx_does_not_count(tmp_path):
     # Once MLX is loaded, its products are bound to the bundled BLAS: the flag must not claim OpenBLAS.
     program = ("import json, sys\nimport mlx.core\n"
                f"sys.path.insert(0, {str(SCRIPT.parent)!r})\nimport llm_inference as li\n"
-               "maps = [line for line in open('/proc/self/maps') if 'openblas' in line]\n"
+               f"maps = [line for line in {MAPS} if 'openblas' in line]\n"
                "print(json.dumps([li.OPENBLAS, maps]))")
     proc = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, timeout=120,
                           env=cli_env(tmp_path / ".hf-home"))
@@ -73,7 +75,7 @@ def test_hint_and_auto_dtype_on_the_command_line(tiny_model, tmp_path, blas):
         assert "sudo apt-get install libopenblas0-pthread" in lines[1]
     else:
         assert hints == []
-    assert lines[-2 if hints else 1].startswith("Prompt: 'The capital")
+    assert lines[1 + len(hints)].startswith("Prompt: 'The capital")
 
 
 def test_same_text_and_logits_with_and_without_openblas(tiny_model, tmp_path):
