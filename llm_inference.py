@@ -353,32 +353,50 @@ def forward(token_ids, weights, config, cache, last_only=True):
 
 class Sampling(NamedTuple):
     temperature: float = 0.0  # 0 = greedy: always the most likely token
-    top_k: int = 0  # keep the k most likely tokens (0 = all) ...
-    top_p: float = 1.0  # ... then the fewest of those whose probabilities add up to >= top_p
+    top_k: int = 0  # keep the k most likely tokens, and any tied with the k-th (0 = all) ...
+    top_p: float = 1.0  # ... then the fewest of those whose probabilities add up to >= top_p ...
+    min_p: float = 0.0  # ... then those at least min_p times as likely as the likeliest one
+    presence_penalty: float = 0.0  # subtracted from the logit of each token already in the reply
     seed: int = 0  # the random stream, so that a run can be repeated
 
 
-def sample(logits, sampling, key):
-    """Temperature 0 is greedy (argmax). Otherwise draw from softmax(logits / temperature), keeping
-    the top_k likeliest tokens, then the fewest of those whose renormalised probability reaches
-    top_p (the token crossing the threshold stays), as Hugging Face transformers does."""
-    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
-    if temperature == 0:
-        return mx.argmax(logits, axis=-1)
-    logits = logits.astype(mx.float32) / temperature  # < 1 sharpens the distribution, > 1 flattens
-    if top_k == 0 and top_p == 1:  # nothing to filter
-        return mx.random.categorical(logits, key=key)
-    if 0 < top_k < logits.shape[-1]:  # only the k largest can survive: sort those, not 151936
-        candidates = mx.argpartition(-logits, top_k - 1)[:top_k]
-    else:  # no top-k: sort the whole vocabulary (top-p needs the order)
-        candidates = mx.arange(logits.shape[-1])
-    order = candidates[mx.argsort(-logits[candidates])]  # token ids, likeliest first
-    sorted_logits = logits[order]
+def filter_logits(logits, sampling):
+    """Divide by the temperature, then set to -inf every token that top-k, top-p or min-p rules
+    out, in the order Hugging Face transformers applies them."""
+    logits = logits.astype(mx.float32) / sampling.temperature  # < 1 sharpens, > 1 flattens
+    top_k, top_p, min_p = sampling.top_k, sampling.top_p, sampling.min_p
+    if 0 < top_k < logits.shape[-1]:
+        # The k-th largest logit is the bar, and every token tied with it stays, as in transformers:
+        # in bfloat16, equal logits around rank 20 are common.
+        kth = mx.topk(logits, top_k).min()
+        logits = mx.where(logits >= kth, logits, -mx.inf)
     if top_p < 1:
-        probs = mx.softmax(sorted_logits)
-        # Keep a token if the tokens strictly likelier than it add up to less than top_p.
-        sorted_logits = mx.where(mx.cumsum(probs) - probs < top_p, sorted_logits, -mx.inf)
-    return order[mx.random.categorical(sorted_logits, key=key)]  # renormalises what is left
+        # Walk down from the likeliest token: a token stays if those before it add up to less than
+        # top_p (so the one crossing the threshold stays). Only the top_k candidates need sorting;
+        # without top-k, the whole vocabulary.
+        n = top_k if 0 < top_k < logits.shape[-1] else logits.shape[-1]
+        candidates = mx.argpartition(-logits, n - 1)[:n]
+        order = candidates[mx.argsort(-logits[candidates])]  # token ids, likeliest first
+        probs = mx.softmax(logits)[order]  # over every token still in, ties at the bar included
+        kept = mx.cumsum(probs) - probs < top_p
+        bar = mx.where(kept, logits[order], mx.inf).min()  # the least likely token that stays ...
+        logits = mx.where(logits >= bar, logits, -mx.inf)  # ... and every token tied with it
+    if min_p > 0:  # scales with the model's confidence: a strict cut when one token dominates
+        probs = mx.softmax(logits)
+        logits = mx.where(probs >= min_p * probs.max(), logits, -mx.inf)
+    return logits
+
+
+def sample(logits, sampling, key, in_reply=None):
+    """Temperature 0 is greedy (argmax). Otherwise draw from softmax(logits / temperature) over the
+    tokens filter_logits keeps. in_reply (vocab,) is 1 for each token already generated in this
+    reply: the presence penalty lowers their logits by a constant however often they occurred
+    (OpenAI's and vLLM's meaning), which counters the endless loops a small model can fall into."""
+    if sampling.presence_penalty:
+        logits = logits - sampling.presence_penalty * in_reply
+    if sampling.temperature == 0:
+        return mx.argmax(logits, axis=-1)
+    return mx.random.categorical(filter_logits(logits, sampling), key=key)  # renormalises
 
 
 # ------------------------------------------------------------------------------------------------
@@ -391,13 +409,16 @@ def sample(logits, sampling, key):
 PREFILL_CHUNK = 1024
 
 
-def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
+def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(), cache=None,
              use_cache=True):
     """Yield (token id, the logits it was drawn from) until an id in eos_ids (yielded too) or
-    max_tokens. use_cache=False recomputes the whole sequence at every step (an experiment)."""
-    cache, key = make_cache(config), mx.random.key(sampling.seed)
+    max_tokens. `cache` may already hold earlier tokens (a chat, section 13): prompt_ids then
+    continue them. use_cache=False recomputes the whole sequence at every step (an experiment)."""
+    cache = make_cache(config) if cache is None else cache
+    key = mx.random.key(sampling.seed)
     all_ids = mx.array(prompt_ids)  # the whole sequence; only the use_cache=False experiment
     #                                 reads it after the prefill
+    in_reply = mx.zeros(config.vocab_size)  # 1 for each token generated so far (presence penalty)
 
     def next_logits(new_ids):
         nonlocal all_ids
@@ -407,9 +428,12 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
         return forward(all_ids, weights, config, make_cache(config))  # everything, every time
 
     def next_token(logits):
-        nonlocal key
+        nonlocal key, in_reply
         key, sample_key = mx.random.split(key)
-        return sample(logits, sampling, sample_key)
+        token = sample(logits, sampling, sample_key, in_reply)
+        if sampling.presence_penalty:
+            in_reply = in_reply.at[token].maximum(1.0)
+        return token
 
     # Prefill: the prompt's tokens are all known, so they go through each layer together (large,
     # efficient matrix products), filling the cache and giving the first new token's logits.
@@ -456,6 +480,91 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 # Rebinding the names is enough: their callers look them up when they are called.
 queries_keys_values = mx.compile(queries_keys_values)
 swiglu = mx.compile(swiglu)
+
+
+# ------------------------------------------------------------------------------------------------
+# 13. Chat: one KV cache for a whole conversation
+# ------------------------------------------------------------------------------------------------
+#
+# At every turn, Qwen3's chat template (in tokenizer_config.json) renders the whole conversation
+# again, and the model reads all of it:
+#
+#   <|im_start|>system\n{system}<|im_end|>\n            (if there is one)
+#   <|im_start|>user\n{message}<|im_end|>\n
+#   <|im_start|>assistant\n{answer}<|im_end|>\n         (an earlier reply, without its thinking)
+#   ...
+#   <|im_start|>user\n{new message}<|im_end|>\n
+#   <|im_start|>assistant\n                             (+ <think>\n\n</think>\n\n for no thinking)
+#
+# Most of that is already in the cache from the turn before, so only the rest needs a prefill: the
+# cache keeps the longest prefix it shares with the new rendering and forgets what follows. That
+# costs nothing: setting `offset` back is enough, as new keys and values are written over the old.
+#
+# Why not just append? Because the template rewrites history. Once a new user message follows, a
+# reply's <think>...</think> reasoning is dropped: it has served its purpose, kept it would fill
+# the context, and Qwen3 was trained on conversations without it. The empty think block of a reply
+# made without thinking goes too. So each turn rolls back to the start of the last reply, then
+# prefills its answer and the new message; everything before is reused.
+#
+# Earlier replies enter the history as the token ids the model generated: tokenizing their text
+# again could give other ids for the same text (a different split into pieces), and the cache holds
+# the generated ones.
+
+class Chat:
+    """A conversation: its turns so far, and one KV cache that every turn reuses."""
+
+    def __init__(self, weights, config, tokenizer, system=None, think=True):
+        self.weights, self.config, self.tokenizer = weights, config, tokenizer
+        self.system, self.think = system, think
+        self.turns = []  # (user message, reply ids) per turn; the program may drop or clear them
+        self.cache = make_cache(config)
+        self.cached_ids = []  # the ids whose keys and values are in the cache, in order
+        self.reused = self.prefilled = 0  # the last turn's tokens taken from the cache / computed
+
+    def prompt_ids(self, message):
+        """The conversation so far plus a new message, as Qwen3's chat template renders them."""
+        tokens = lambda text: tokenize(self.tokenizer, text)
+        system = self.system
+        ids = tokens(f"<|im_start|>system\n{system}<|im_end|>\n") if system is not None else []
+        for user, reply in self.turns:
+            ids += tokens(chat_prompt(user))  # ...user\n{user}<|im_end|>\n<|im_start|>assistant\n
+            ids += self.answer(reply) + tokens("<|im_end|>\n")
+        return ids + tokens(chat_prompt(message, think=self.think))
+
+    def answer(self, reply):
+        """A reply as the template keeps it: what follows the last </think>, without the newlines
+        that start it. A reply without </think> (say, stopped while thinking) is kept whole."""
+        end_think = self.tokenizer.token_to_id("</think>")
+        if end_think not in reply:
+            return reply
+        answer = reply[len(reply) - reply[::-1].index(end_think):]
+        while answer and self.tokenizer.decode([answer[0]]).strip("\n") == "":
+            answer = answer[1:]
+        return answer
+
+    def reply(self, message, max_tokens, sampling=Sampling(), eos_ids=()):
+        """Yield (token id, logits) of the reply to `message`, like generate(). The reply joins the
+        history also when the caller stops early: then close() this generator."""
+        ids = self.prompt_ids(message)
+        self.reused = 0  # the prefix shared with the cache; the last id is always fed (the logits)
+        for cached, new in zip(self.cached_ids, ids[:-1]):
+            if cached != new:
+                break
+            self.reused += 1
+        for layer_cache in self.cache:
+            layer_cache.offset = self.reused  # the roll-back
+        self.prefilled, reply = len(ids) - self.reused, []
+        try:
+            for token_id, logits in generate(ids[self.reused:], self.weights, self.config,
+                                             max_tokens, sampling, eos_ids, self.cache):
+                if token_id not in eos_ids:  # the template closes each turn with <|im_end|>
+                    reply.append(token_id)
+                yield token_id, logits
+        finally:  # finished, stopped by the caller, or interrupted by Ctrl-C inside generate()
+            self.turns.append((message, reply))
+            # What the cache holds now: generate() may have fed one token more than it yielded,
+            # and a step interrupted midway may have reached only some layers.
+            self.cached_ids = (ids + reply)[:min(c.offset for c in self.cache)]
 
 
 # ================================================================================================

@@ -115,7 +115,7 @@ class Reference:
         return self.tokenizer.encode(text).ids
 
     def generate(self, text, max_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0):
-        sampling = li.Sampling(temperature, top_k, top_p, seed)
+        sampling = li.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         return [t for t, _ in li.generate(self.ids(text), self.weights, self.config, max_tokens, sampling,
                                           self.eos_ids)]
 
