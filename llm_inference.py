@@ -877,6 +877,10 @@ def trace(prompt_ids, weights, config, tokenizer):
 # The command line: python llm_inference.py --prompt "..." [flags]
 # ------------------------------------------------------------------------------------------------
 
+DEFAULT_PROMPT = "The capital of France is"
+CHAT_MAX_TOKENS = 8192  # enough for Qwen3 to finish thinking on most questions (README, Chat)
+
+
 def device_name():
     if mx.default_device() != mx.gpu:
         return "cpu"
@@ -941,26 +945,34 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def parse_args(argv):
     ap = ArgumentParser(prog="llm_inference.py", description="Generate text with Qwen3 on MLX.")
-    ap.add_argument("--prompt", default="The capital of France is",
-                    help="the text to continue ('-' reads stdin)")
-    ap.add_argument("--max-tokens", type=number(int, 1), default=100,
-                    help="stop after this many new tokens (100)")
+    ap.add_argument("--prompt", help="the text to continue ('-' reads stdin; default: "
+                    f"{DEFAULT_PROMPT!r}); with --chat, one message and its reply")
+    ap.add_argument("--max-tokens", type=number(int, 1),
+                    help=f"stop after this many new tokens (100; {CHAT_MAX_TOKENS} with --chat, at "
+                    "most half the context)")
     ap.add_argument("--temperature", type=number(float, 0),
-                    help="0 = greedy (default; 0.6 with --chat)")
+                    help="0 = greedy (default; with --chat 0.6, or 0.7 with --no-think)")
     ap.add_argument("--top-p", type=number(float, 0, 1, low_open=True),
-                    help="nucleus sampling mass (0.95)")
+                    help="nucleus sampling mass (generation_config.json's; 0.8 with --no-think)")
     ap.add_argument("--top-k", type=number(int, 0),
-                    help="keep only the k most likely tokens, 0 = all (0; 20 with --chat)")
+                    help="keep only the k most likely tokens, 0 = all (generation_config.json's)")
+    ap.add_argument("--min-p", type=number(float, 0, 1),
+                    help="keep tokens at least this fraction as likely as the likeliest (0)")
+    ap.add_argument("--presence-penalty", type=number(float, 0, 2),
+                    help="lower the logit of tokens already in the reply, against repetition (0)")
     ap.add_argument("--seed", type=number(int, 0, 2**64 - 1),
                     help="random seed for sampling (default: a fresh one)")
     ap.add_argument("--model",
                     help="model folder (default: ./Qwen3-0.6B, else the one next to this script)")
     ap.add_argument("--no-download", action="store_true",
                     help="never download the model, fail instead")
-    ap.add_argument("--chat", action="store_true", help="wrap the prompt in Qwen3's chat format")
+    ap.add_argument("--chat", action="store_true",
+                    help="talk with the model in Qwen3's chat format (README, Chat)")
     ap.add_argument("--system", help="system message for --chat")
     ap.add_argument("--no-think", action="store_true",
                     help="with --chat: skip Qwen3's <think> reasoning")
+    ap.add_argument("--hide-think", action="store_true",
+                    help="with --chat: show a progress line instead of the reasoning")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                     help="auto = bfloat16 on a GPU, float32 on the CPU")
     lab = ap.add_argument_group("experiments (README, Experiments)")
@@ -975,80 +987,260 @@ def parse_args(argv):
     lab.add_argument("--reference-ops", action="store_true",
                      help="run the hand-written RMSNorm/RoPE/attention, not MLX's fused kernels")
     args = ap.parse_args(argv)
-    if (args.system is not None or args.no_think) and not args.chat:
-        ap.error("--system and --no-think only apply with --chat")
+    if (args.system is not None or args.no_think or args.hide_think) and not args.chat:
+        ap.error("--system, --no-think and --hide-think only apply with --chat")
+    if args.chat and args.prompt is None:
+        for flag, given in (("--top-probs", args.top_probs), ("--trace", args.trace),
+                            ("--no-cache", args.no_cache)):
+            if given:
+                ap.error(f"{flag} needs a single message: add --prompt to --chat")
     return args
 
 
+# Qwen's recommended sampling (model card). Thinking mode's values are also in
+# generation_config.json; a model's file wins over them.
+QWEN3_THINKING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
+QWEN3_NO_THINK = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
+# What transformers' generate() falls back on for a value generation_config.json lacks.
+TRANSFORMERS_DEFAULTS = {"top_p": 1.0, "top_k": 50, "min_p": 0.0}
+
+
 def sampling_settings(args, generation_config):
-    """Explicit flags win; with --chat, the model's generation_config.json fills the rest (Qwen3:
-    0.6, 0.95, 20); plain completion defaults to greedy decoding, the likeliest token every time."""
-    recommended = generation_config if args.chat else {}
-    given = lambda flag, name, default: flag if flag is not None else recommended.get(name, default)
-    temperature = given(args.temperature, "temperature", 0.0)
-    top_p = given(args.top_p, "top_p", 0.95)
-    top_k = given(args.top_k, "top_k", 0)
+    """Explicit flags win. --chat then takes Qwen's recommendations: generation_config.json's
+    values in thinking mode, the model card's for --no-think. Plain completion is greedy unless
+    --temperature is given; its top-k/top-p/min-p then come from generation_config.json, as in
+    transformers."""
+    if args.chat and args.no_think:
+        recommended = QWEN3_NO_THINK
+    elif args.chat:
+        recommended = QWEN3_THINKING | generation_config
+    else:
+        recommended = TRANSFORMERS_DEFAULTS | generation_config | {"temperature": 0.0}
+    given = lambda flag, name: flag if flag is not None else recommended.get(name, 0.0)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    return Sampling(float(temperature), int(top_k), float(top_p), seed)
+    return Sampling(temperature=float(given(args.temperature, "temperature")),
+                    top_k=int(given(args.top_k, "top_k")), top_p=float(given(args.top_p, "top_p")),
+                    min_p=float(given(args.min_p, "min_p")),
+                    presence_penalty=args.presence_penalty or 0.0, seed=seed)
 
 
-def main(argv=None):
-    global FUSED_KERNELS
-    args = parse_args(argv)
-    prompt = read_prompt(args.prompt)
-    system = checked_text(args.system, "--system") if args.system is not None else None
-    model_dir = find_model(args.model, allow_download=not args.no_download)
-    dtype = pick_dtype(args.dtype)
-    config, weights, tokenizer, generation_config = load_model(model_dir, dtype)
-    eos_ids = eos_token_ids(generation_config, tokenizer)
-    sampling = sampling_settings(args, generation_config)
-    FUSED_KERNELS = not args.reference_ops  # set once, before anything runs or is compiled
-    if args.no_compile:
-        mx.disable_compile()
-
-    text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
-    prompt_ids = tokenize(tokenizer, text)
-    if len(prompt_ids) + args.max_tokens > config.max_position_embeddings:
-        raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens "
-                        f"{args.max_tokens} that exceeds the model's "
-                        f"{config.max_position_embeddings}-token context: "
-                        "shorten it or lower --max-tokens")
-
-    c = config
-    print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
-          f"{c.num_attention_heads} Q heads, {c.num_key_value_heads} KV heads) on {device_name()}, "
-          f"{str(dtype).split('.')[-1]}", file=sys.stderr)
+def describe(sampling):
     if sampling.temperature == 0:
         how = "greedy"
     else:
         how = (f"temperature {sampling.temperature}, top-p {sampling.top_p}, "
                f"top-k {sampling.top_k}, seed {sampling.seed}")
-    print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {how}", file=sys.stderr)
+        how += f", min-p {sampling.min_p}" if sampling.min_p else ""
+    if sampling.presence_penalty:
+        how += f", presence penalty {sampling.presence_penalty}"
+    return how
+
+
+# ------------------------------------------------------------------------------------------------
+# Showing a reply, and the chat loop
+# ------------------------------------------------------------------------------------------------
+
+class ReplyPrinter:
+    """Writes a reply to stdout as its tokens arrive. On a terminal, Qwen3's <think>...</think>
+    reasoning is dimmed; hide_think shows a "thinking... (N tokens)" line instead, on stderr.
+    Elsewhere (a pipe, a file) the text is written as it is, without colour codes."""
+
+    DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+
+    def __init__(self, tokenizer, hide_think):
+        self.tokenizer, self.hide_think = tokenizer, hide_think
+        self.think_ids = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+        self.colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ  # no-color.org
+        self.progress = sys.stderr.isatty()
+        # DecodeStream holds back the bytes of a character split across tokens (emoji, CJK) until
+        # it is complete: nothing prints as garbage.
+        self.stream = DecodeStream(skip_special_tokens=True)
+        self.thinking, self.n_thinking, self.n_tokens = False, 0, 0
+        self.answer_started = False  # for hide_think: the newlines after </think> are dropped
+
+    def add(self, token_id):
+        self.n_tokens += 1
+        piece = self.stream.step(self.tokenizer, token_id) or ""
+        start, end = self.think_ids
+        if token_id == start and not self.thinking:
+            self.thinking = True
+            piece = "" if self.hide_think else (self.DIM if self.colour else "") + piece
+        elif token_id == end and self.thinking:
+            self.thinking = False
+            if self.hide_think:
+                piece = ""
+                self.clear_progress()
+            elif self.colour:
+                piece += self.PLAIN
+        elif self.thinking:
+            self.n_thinking += 1
+            if self.hide_think:
+                piece = ""
+                if self.progress:
+                    sys.stderr.write(f"\rthinking… ({self.n_thinking} tokens)")
+                    sys.stderr.flush()
+        elif self.hide_think and not self.answer_started:
+            piece = piece.lstrip("\n")
+            self.answer_started = bool(piece)
+        if piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    def clear_progress(self):
+        if self.progress and self.n_thinking:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+    def finish(self):
+        """End the reply's line, restoring the colour if it stopped while thinking."""
+        if self.thinking and self.colour and not self.hide_think:
+            sys.stdout.write(self.PLAIN)
+        if self.thinking and self.hide_think:
+            self.clear_progress()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def read_message(interactive):
+    """The next line of input, or None at the end. On a terminal, input() has line editing and
+    history (readline, imported by chat_loop)."""
+    if interactive:
+        try:
+            text = input(">>> ")
+        except EOFError:  # Ctrl-D
+            print(file=sys.stderr)
+            return None
+    else:
+        line = sys.stdin.buffer.readline()
+        if not line:
+            return None
+        text = line.decode("utf-8", "surrogateescape").rstrip("\r\n")
+    return checked_text(text, "the message")
+
+
+def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think):
+    """Talk until end of input, Ctrl-D or /exit. Each line is one message; its reply goes to
+    stdout, everything else to stderr. Ctrl-C stops a reply (it stays in the history)."""
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401 (importing it is what gives input() editing and history)
+        except ImportError:  # not on every platform; input() still works without
+            pass
+    context = chat.config.max_position_embeddings
+    while True:
+        try:
+            message = read_message(interactive)
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, as in Python's REPL
+            print(file=sys.stderr)
+            continue
+        except UserError as e:
+            print(f"error: {e}; skipped", file=sys.stderr)
+            continue
+        if message is None or message.strip() == "/exit":
+            return
+        if message.strip() == "/reset":
+            chat.turns.clear()  # the cache rolls back by itself at the next turn
+            print("(conversation reset)", file=sys.stderr)
+            continue
+        if not message.strip():
+            continue
+        # Each turn must leave room for a whole reply: forget the oldest turns if needed.
+        dropped = 0
+        while len(chat.prompt_ids(message)) + max_tokens > context and chat.turns:
+            del chat.turns[0]
+            dropped += 1
+        n_prompt = len(chat.prompt_ids(message))
+        if n_prompt + max_tokens > context:
+            print(f"error: this message makes a {n_prompt}-token prompt; with --max-tokens "
+                  f"{max_tokens} that exceeds the model's {context}-token context: shorten it",
+                  file=sys.stderr)
+            continue
+        if dropped:
+            print(f"(the conversation outgrew the {context}-token context: forgot the oldest "
+                  f"{dropped} turn{'s' if dropped > 1 else ''})", file=sys.stderr)
+        printer = ReplyPrinter(chat.tokenizer, hide_think)
+        replies = chat.reply(message, max_tokens, sampling, eos_ids)
+        start = first = time.perf_counter()
+        interrupted = False
+        try:
+            for token_id, _ in replies:
+                if printer.n_tokens == 0:
+                    first = time.perf_counter()
+                printer.add(token_id)  # <|im_end|> prints nothing, and counts as in --prompt
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            replies.close()  # the (partial) reply joins the history
+        end = time.perf_counter()
+        printer.finish()
+        n = len(chat.turns[-1][1])  # the reply as the history keeps it (without <|im_end|>)
+        prefill = chat.prefilled / (first - start) if n else 0.0
+        decode = (n - 1) / (end - first) if n > 1 else 0.0
+        thinking = f", {printer.n_thinking} thinking" if printer.n_thinking else ""
+        print(f"{'Interrupted. ' if interrupted else ''}Turn {len(chat.turns)}: "
+              f"{chat.reused} tokens reused from the cache, {chat.prefilled} prefilled at "
+              f"{prefill:.1f} tok/s | Reply: {n} tokens{thinking}, {decode:.1f} tok/s",
+              file=sys.stderr)
+
+
+def main(argv=None):
+    global FUSED_KERNELS
+    args = parse_args(argv)
+    interactive_chat = args.chat and args.prompt is None
+    prompt = None if interactive_chat else read_prompt(args.prompt or DEFAULT_PROMPT)
+    system = checked_text(args.system, "--system") if args.system is not None else None
+    if args.chat and args.temperature == 0:
+        print("warning: Qwen advises against greedy decoding (--temperature 0) in chat: in "
+              "thinking mode it leads to endless repetition", file=sys.stderr)
+    model_dir = find_model(args.model, allow_download=not args.no_download)
+    dtype = pick_dtype(args.dtype)
+    config, weights, tokenizer, generation_config = load_model(model_dir, dtype)
+    eos_ids = eos_token_ids(generation_config, tokenizer)
+    sampling = sampling_settings(args, generation_config)
+    context = config.max_position_embeddings
+    max_tokens = args.max_tokens or (min(CHAT_MAX_TOKENS, context // 2) if args.chat else 100)
+    FUSED_KERNELS = not args.reference_ops  # set once, before anything runs or is compiled
+    if args.no_compile:
+        mx.disable_compile()
+
+    c = config
+    print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
+          f"{c.num_attention_heads} Q heads, {c.num_key_value_heads} KV heads) on {device_name()}, "
+          f"{str(dtype).split('.')[-1]}", file=sys.stderr)
+    if interactive_chat:
+        print(f"Chat: {describe(sampling)}, up to {max_tokens} tokens per reply. /reset starts "
+              "over; /exit or Ctrl-D ends; Ctrl-C stops a reply.", file=sys.stderr)
+        chat = Chat(weights, config, tokenizer, system, think=not args.no_think)
+        chat_loop(chat, max_tokens, sampling, eos_ids, args.hide_think)
+        return 0
+
+    text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
+    prompt_ids = tokenize(tokenizer, text)
+    if len(prompt_ids) + max_tokens > context:
+        raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens "
+                        f"{max_tokens} that exceeds the model's {context}-token context: "
+                        "shorten it or lower --max-tokens")
+    print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {describe(sampling)}", file=sys.stderr)
     if args.trace:
         trace(prompt_ids, weights, config, tokenizer)
         return 0
 
-    # Stream: print each piece as soon as it is decoded. DecodeStream holds back the bytes of a
-    # character split across tokens (emoji, CJK) until it is complete: nothing prints as garbage.
-    stream, n_generated, interrupted = DecodeStream(skip_special_tokens=True), 0, False
+    printer, interrupted = ReplyPrinter(tokenizer, args.hide_think), False
     start = first = time.perf_counter()
     try:
-        for token_id, logits in generate(prompt_ids, weights, config, args.max_tokens, sampling,
+        for token_id, logits in generate(prompt_ids, weights, config, max_tokens, sampling,
                                          eos_ids, use_cache=not args.no_cache):
-            if n_generated == 0:
+            if printer.n_tokens == 0:
                 first = time.perf_counter()  # prefill done: time to first token
                 if args.top_probs:  # the very logits the first token was sampled from
                     print_top_probs(logits, tokenizer, args.top_probs)
-            n_generated += 1
-            piece = stream.step(tokenizer, token_id)
-            if piece:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+            printer.add(token_id)
     except KeyboardInterrupt:
         interrupted = True
     end = time.perf_counter()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    printer.finish()
+    n_generated = printer.n_tokens
     prefill_rate = len(prompt_ids) / (first - start) if n_generated else 0.0
     decode_rate = (n_generated - 1) / (end - first) if n_generated > 1 else 0.0
     print(f"{'Interrupted. ' if interrupted else ''}Prompt: {len(prompt_ids)} tokens, "
