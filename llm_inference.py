@@ -1127,7 +1127,7 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think):
             import readline  # noqa: F401 (importing it is what gives input() editing and history)
         except ImportError:  # not on every platform; input() still works without
             pass
-    context = chat.config.max_position_embeddings
+    context, turn = chat.config.max_position_embeddings, 0
     while True:
         try:
             message = read_message(interactive)
@@ -1141,6 +1141,7 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think):
             return
         if message.strip() == "/reset":
             chat.turns.clear()  # the cache rolls back by itself at the next turn
+            turn = 0
             print("(conversation reset)", file=sys.stderr)
             continue
         if not message.strip():
@@ -1159,6 +1160,7 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think):
         if dropped:
             print(f"(the conversation outgrew the {context}-token context: forgot the oldest "
                   f"{dropped} turn{'s' if dropped > 1 else ''})", file=sys.stderr)
+        turn += 1
         printer = ReplyPrinter(chat.tokenizer, hide_think)
         replies = chat.reply(message, max_tokens, sampling, eos_ids)
         start = first = time.perf_counter()
@@ -1178,7 +1180,7 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think):
         prefill = chat.prefilled / (first - start) if n else 0.0
         decode = (n - 1) / (end - first) if n > 1 else 0.0
         thinking = f", {printer.n_thinking} thinking" if printer.n_thinking else ""
-        print(f"{'Interrupted. ' if interrupted else ''}Turn {len(chat.turns)}: "
+        print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: "
               f"{chat.reused} tokens reused from the cache, {chat.prefilled} prefilled at "
               f"{prefill:.1f} tok/s | Reply: {n} tokens{thinking}, {decode:.1f} tok/s",
               file=sys.stderr)
@@ -1188,7 +1190,8 @@ def main(argv=None):
     global FUSED_KERNELS
     args = parse_args(argv)
     interactive_chat = args.chat and args.prompt is None
-    prompt = None if interactive_chat else read_prompt(args.prompt or DEFAULT_PROMPT)
+    prompt = None if interactive_chat else read_prompt(
+        DEFAULT_PROMPT if args.prompt is None else args.prompt)
     system = checked_text(args.system, "--system") if args.system is not None else None
     if args.chat and args.temperature == 0:
         print("warning: Qwen advises against greedy decoding (--temperature 0) in chat: in "
@@ -1204,6 +1207,14 @@ def main(argv=None):
     if args.no_compile:
         mx.disable_compile()
 
+    if not interactive_chat:
+        text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
+        prompt_ids = tokenize(tokenizer, text)
+        if len(prompt_ids) + max_tokens > context:
+            raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens "
+                            f"{max_tokens} that exceeds the model's {context}-token context: "
+                            "shorten it or lower --max-tokens")
+
     c = config
     print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
           f"{c.num_attention_heads} Q heads, {c.num_key_value_heads} KV heads) on {device_name()}, "
@@ -1215,12 +1226,6 @@ def main(argv=None):
         chat_loop(chat, max_tokens, sampling, eos_ids, args.hide_think)
         return 0
 
-    text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
-    prompt_ids = tokenize(tokenizer, text)
-    if len(prompt_ids) + max_tokens > context:
-        raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens "
-                        f"{max_tokens} that exceeds the model's {context}-token context: "
-                        "shorten it or lower --max-tokens")
     print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {describe(sampling)}", file=sys.stderr)
     if args.trace:
         trace(prompt_ids, weights, config, tokenizer)
