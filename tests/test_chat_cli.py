@@ -6,12 +6,18 @@ generated. The tiny random model never writes <think>, so the thinking display i
 ReplyPrinter directly, with the terminal simulated.
 """
 
+import fcntl
 import io
 import json
+import os
+import pty
 import re
+import select
 import signal
 import subprocess
 import sys
+import termios
+import time
 
 import mlx.core as mx
 import pytest
@@ -304,3 +310,50 @@ def test_greedy_chat_warns_in_one_line(tiny_model, tmp_path):
 def test_chat_flag_mistakes_are_one_line(tiny_model, tmp_path, args, needle):
     rc, out, err = run_cli("--model", tiny_model, *args, cwd=tmp_path)
     assert rc == 2 and out == "" and len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_in_a_terminal_line_editing_ctrl_c_and_ctrl_d(tiny_model, reference, hf_tokenizer, tmp_path):
+    """The chat on a pseudo-terminal, as a person types it: readline's Ctrl-A edits the line, Ctrl-C
+    stops a reply and returns to the prompt, Ctrl-D ends with exit code 0."""
+    master, slave = pty.openpty()
+
+    def own_terminal():  # a new session whose controlling terminal is the pty: ^C sends SIGINT
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--model", str(tiny_model), "--chat",
+                             "--temperature", "0", "--max-tokens", "400"], cwd=tmp_path,
+                            stdin=slave, stdout=slave, stderr=slave, preexec_fn=own_terminal,
+                            env=cli_env(tmp_path / ".hf-home", TERM="xterm"))
+    os.close(slave)
+    seen = b""
+
+    def read_until(pattern, timeout=120):
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, seen) and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.2)[0]:
+                try:
+                    seen += os.read(master, 65536)
+                except OSError:  # the process has gone
+                    break
+        return re.search(pattern, seen)
+
+    try:
+        assert read_until(rb">>> "), seen
+        os.write(master, b"ello\x01H\r")  # type "ello", jump to the start (Ctrl-A), add "H"
+        assert read_until(rb"Turn 1: .*\r\n>>> "), seen
+        reply = greedy(reference, official_ids(hf_tokenizer, reference, None, [], "Hello", True), 400)
+        text = reference.tokenizer.decode(reply, skip_special_tokens=True).rstrip("\ufffd")
+        assert text.replace("\n", "\r\n").encode() in seen  # the reply to "Hello", streamed
+        start = len(seen)
+        os.write(master, b"Go on\r")
+        assert read_until(rb"Go on\r\n.+")  # the second reply has started
+        os.write(master, b"\x03")  # Ctrl-C
+        assert read_until(rb"Interrupted\. Turn 2: .*\r\n>>> "), seen[start:]
+        os.write(master, b"\x04")  # Ctrl-D at the prompt
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        os.close(master)
+    assert b"Traceback" not in seen
