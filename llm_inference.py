@@ -364,20 +364,20 @@ def filter_logits(logits, sampling):
     """Divide by the temperature, then set to -inf every token that top-k, top-p or min-p rules
     out, in the order Hugging Face transformers applies them."""
     logits = logits.astype(mx.float32) / sampling.temperature  # < 1 sharpens, > 1 flattens
-    top_k, top_p, min_p = sampling.top_k, sampling.top_p, sampling.min_p
-    if 0 < top_k < logits.shape[-1]:
+    top_k, top_p, min_p, n_vocab = sampling.top_k, sampling.top_p, sampling.min_p, len(logits)
+    if 0 < top_k < n_vocab:
+        candidates = mx.argpartition(-logits, top_k - 1)[:top_k]  # the k largest, unsorted
         # The k-th largest logit is the bar, and every token tied with it stays, as in transformers:
         # in bfloat16, equal logits around rank 20 are common.
-        kth = mx.topk(logits, top_k).min()
-        logits = mx.where(logits >= kth, logits, -mx.inf)
+        logits = mx.where(logits >= logits[candidates].min(), logits, -mx.inf)
+    else:
+        candidates = mx.arange(n_vocab)
     if top_p < 1:
         # Walk down from the likeliest token: a token stays if those before it add up to less than
-        # top_p (so the one crossing the threshold stays). Only the top_k candidates need sorting;
-        # without top-k, the whole vocabulary.
-        n = top_k if 0 < top_k < logits.shape[-1] else logits.shape[-1]
-        candidates = mx.argpartition(-logits, n - 1)[:n]
+        # top_p (so the one crossing the threshold stays). Only the top-k candidates need sorting.
         order = candidates[mx.argsort(-logits[candidates])]  # token ids, likeliest first
-        probs = mx.softmax(logits)[order]  # over every token still in, ties at the bar included
+        # Probabilities among all the tokens still in (ties at the bar included).
+        probs = mx.exp(logits[order] - mx.logsumexp(logits))
         kept = mx.cumsum(probs) - probs < top_p
         bar = mx.where(kept, logits[order], mx.inf).min()  # the least likely token that stays ...
         logits = mx.where(logits >= bar, logits, -mx.inf)  # ... and every token tied with it
