@@ -1118,72 +1118,84 @@ def read_message(interactive):
     return checked_text(text, "the message")
 
 
+def make_room(chat, message, max_tokens):
+    """Forget the oldest turns until the conversation, the new message and a whole reply fit in
+    the context; say so on stderr. A message too long even alone is a UserError."""
+    context, dropped = chat.config.max_position_embeddings, 0
+    while len(chat.prompt_ids(message)) + max_tokens > context and chat.turns:
+        del chat.turns[0]  # the cache rolls back to the system message and prefills the rest
+        dropped += 1
+    n_prompt = len(chat.prompt_ids(message))
+    if n_prompt + max_tokens > context:
+        raise UserError(f"this message makes a {n_prompt}-token prompt; with --max-tokens "
+                        f"{max_tokens} that exceeds the model's {context}-token context: "
+                        "shorten it")
+    if dropped:
+        print(f"(the conversation outgrew the {context}-token context: forgot the oldest "
+              f"{dropped} turn{'s' if dropped > 1 else ''})", file=sys.stderr)
+
+
+def chat_turn(chat, message, max_tokens, sampling, eos_ids, printer):
+    """One message and its reply, streamed by `printer`. Returns (interrupted, prefill tok/s,
+    decode tok/s). Ctrl-C stops the reply; what was generated stays in the history."""
+    replies = chat.reply(message, max_tokens, sampling, eos_ids)
+    start = first = time.perf_counter()
+    interrupted = False
+    try:
+        for token_id, _ in replies:
+            if printer.n_tokens == 0:
+                first = time.perf_counter()  # prefill done
+            printer.add(token_id)  # <|im_end|> prints nothing
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        replies.close()  # the (partial) reply joins the history
+    end = time.perf_counter()
+    printer.finish()
+    n = printer.n_tokens
+    return (interrupted, chat.prefilled / (first - start) if n else 0.0,
+            (n - 1) / (end - first) if n > 1 else 0.0)
+
+
 def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think):
     """Talk until end of input, Ctrl-D or /exit. Each line is one message; its reply goes to
-    stdout, everything else to stderr. Ctrl-C stops a reply (it stays in the history)."""
+    stdout, everything else to stderr."""
     interactive = sys.stdin.isatty()
     if interactive:
         try:
             import readline  # noqa: F401 (importing it is what gives input() editing and history)
         except ImportError:  # not on every platform; input() still works without
             pass
-    context, turn = chat.config.max_position_embeddings, 0
+    turn = 0
     while True:
         try:
             message = read_message(interactive)
+            if message is None or message.strip() == "/exit":
+                return
+            if message.strip() == "/reset":
+                chat.turns.clear()  # the cache rolls back by itself at the next turn
+                turn = 0
+                print("(conversation reset)", file=sys.stderr)
+                continue
+            if message.strip():
+                make_room(chat, message, max_tokens)
         except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, as in Python's REPL
             print(file=sys.stderr)
             continue
-        except UserError as e:
-            print(f"error: {e}; skipped", file=sys.stderr)
-            continue
-        if message is None or message.strip() == "/exit":
-            return
-        if message.strip() == "/reset":
-            chat.turns.clear()  # the cache rolls back by itself at the next turn
-            turn = 0
-            print("(conversation reset)", file=sys.stderr)
+        except UserError as e:  # a bad message is skipped; the chat goes on
+            print(f"error: {e}", file=sys.stderr)
             continue
         if not message.strip():
             continue
-        # Each turn must leave room for a whole reply: forget the oldest turns if needed.
-        dropped = 0
-        while len(chat.prompt_ids(message)) + max_tokens > context and chat.turns:
-            del chat.turns[0]
-            dropped += 1
-        n_prompt = len(chat.prompt_ids(message))
-        if n_prompt + max_tokens > context:
-            print(f"error: this message makes a {n_prompt}-token prompt; with --max-tokens "
-                  f"{max_tokens} that exceeds the model's {context}-token context: shorten it",
-                  file=sys.stderr)
-            continue
-        if dropped:
-            print(f"(the conversation outgrew the {context}-token context: forgot the oldest "
-                  f"{dropped} turn{'s' if dropped > 1 else ''})", file=sys.stderr)
         turn += 1
         printer = ReplyPrinter(chat.tokenizer, hide_think)
-        replies = chat.reply(message, max_tokens, sampling, eos_ids)
-        start = first = time.perf_counter()
-        interrupted = False
-        try:
-            for token_id, _ in replies:
-                if printer.n_tokens == 0:
-                    first = time.perf_counter()
-                printer.add(token_id)  # <|im_end|> prints nothing, and counts as in --prompt
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            replies.close()  # the (partial) reply joins the history
-        end = time.perf_counter()
-        printer.finish()
+        interrupted, prefill, decode = chat_turn(chat, message, max_tokens, sampling, eos_ids,
+                                                 printer)
         n = len(chat.turns[-1][1])  # the reply as the history keeps it (without <|im_end|>)
-        prefill = chat.prefilled / (first - start) if n else 0.0
-        decode = (n - 1) / (end - first) if n > 1 else 0.0
         thinking = f", {printer.n_thinking} thinking" if printer.n_thinking else ""
-        print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: "
-              f"{chat.reused} tokens reused from the cache, {chat.prefilled} prefilled at "
-              f"{prefill:.1f} tok/s | Reply: {n} tokens{thinking}, {decode:.1f} tok/s",
-              file=sys.stderr)
+        print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: {chat.reused} tokens reused "
+              f"from the cache, {chat.prefilled} prefilled at {prefill:.1f} tok/s | Reply: {n} "
+              f"tokens{thinking}, {decode:.1f} tok/s", file=sys.stderr)
 
 
 def main(argv=None):

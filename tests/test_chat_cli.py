@@ -357,3 +357,12 @@ def test_in_a_terminal_line_editing_ctrl_c_and_ctrl_d(tiny_model, reference, hf_
         proc.kill()
         os.close(master)
     assert b"Traceback" not in seen
+
+
+def test_a_line_that_is_not_utf8_is_skipped_in_one_line(tiny_model, tmp_path):
+    rc, out, err = run_cli("--model", tiny_model, "--chat", "--max-tokens", 3, cwd=tmp_path,
+                           stdin=b"caf\xe9\nHi\n")
+    assert rc == 0, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "not valid UTF-8" in errors[0]
+    assert [int(t[2]) for t in turn_lines(err)] == [1]  # "Hi" was answered
