@@ -1,7 +1,8 @@
 """How an LLM really generates text: Qwen3 from its released files, with MLX, in one file.
 
 Part 1 is the model, in the order data flows through it. Part 2 is the program around it: checking
-the model folder, downloading it, the command line. Stop after Part 1 and you have seen the model.
+the model folder, downloading it, the command line and the chat loop. Stop after Part 1 and you have
+seen the model.
 
     "The capital of France is"
       -> 1. load      config.json + model.safetensors + tokenizer.json
@@ -13,6 +14,7 @@ the model folder, downloading it, the command line. Stop after Part 1 and you ha
       -> 9. final RMSNorm + LM head: one score per vocabulary entry         (151936,)
       -> 10. sample   " Paris"
       -> 11. generate: feed " Paris" back in, repeat until <|im_end|>
+      -> 13. chat: many turns, one KV cache, each turn computing only what is new
 
 Shapes are written without a batch axis (one sequence at a time), with Qwen3-0.6B's sizes.
 
@@ -376,11 +378,13 @@ def filter_logits(logits, sampling):
         # Walk down from the likeliest token: a token stays if those before it add up to less than
         # top_p (so the one crossing the threshold stays). Only the top-k candidates need sorting.
         order = candidates[mx.argsort(-logits[candidates])]  # token ids, likeliest first
-        # Probabilities among all the tokens still in (ties at the bar included).
+        # = softmax(logits)[order]; the sum over all of `logits` counts the ties at the top-k bar
         probs = mx.exp(logits[order] - mx.logsumexp(logits))
-        kept = mx.cumsum(probs) - probs < top_p
+        kept = mx.cumsum(probs) - probs < top_p  # the mass before each token; top_p > 0 keeps one
         bar = mx.where(kept, logits[order], mx.inf).min()  # the least likely token that stays ...
-        logits = mx.where(logits >= bar, logits, -mx.inf)  # ... and every token tied with it
+        # ... and every token tied with it (transformers cuts inside such a tie, depending on its
+        # sort order; keeping the whole tie does not depend on any order).
+        logits = mx.where(logits >= bar, logits, -mx.inf)
     if min_p > 0:  # scales with the model's confidence: a strict cut when one token dominates
         probs = mx.softmax(logits)
         logits = mx.where(probs >= min_p * probs.max(), logits, -mx.inf)
@@ -432,7 +436,7 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
         key, sample_key = mx.random.split(key)
         token = sample(logits, sampling, sample_key, in_reply)
         if sampling.presence_penalty:
-            in_reply = in_reply.at[token].maximum(1.0)
+            in_reply = in_reply.at[token].maximum(1.0)  # a copy with in_reply[token] = 1
         return token
 
     # Prefill: the prompt's tokens are all known, so they go through each layer together (large,
@@ -499,12 +503,16 @@ swiglu = mx.compile(swiglu)
 # Most of that is already in the cache from the turn before, so only the rest needs a prefill: the
 # cache keeps the longest prefix it shares with the new rendering and forgets what follows. That
 # costs nothing: setting `offset` back is enough, as new keys and values are written over the old.
+# Only a prefix can be kept: a token's keys and values depend on its position (RoPE) and, through
+# the layers below, on every token before it. After the first token that differs, everything is
+# computed again, even text that reappears unchanged at new positions.
 #
-# Why not just append? Because the template rewrites history. Once a new user message follows, a
-# reply's <think>...</think> reasoning is dropped: it has served its purpose, kept it would fill
-# the context, and Qwen3 was trained on conversations without it. The empty think block of a reply
-# made without thinking goes too. So each turn rolls back to the start of the last reply, then
-# prefills its answer and the new message; everything before is reused.
+# Why would anything differ? Because the template rewrites history. Once a new user message
+# follows, a reply's <think>...</think> reasoning is dropped: it has served its purpose, kept it
+# would fill the context, and Qwen3 was trained on conversations without it. The empty think block
+# of a reply made without thinking goes too. So each turn rolls back to the start of the last
+# reply, then prefills its answer and the new message; everything before is reused. (A reply cut
+# off while thinking has no </think>: the template keeps it whole, and so do we.)
 #
 # Earlier replies enter the history as the token ids the model generated: tokenizing their text
 # again could give other ids for the same text (a different split into pieces), and the cache holds
@@ -537,16 +545,20 @@ class Chat:
         end_think = self.tokenizer.token_to_id("</think>")
         if end_think not in reply:
             return reply
-        answer = reply[len(reply) - reply[::-1].index(end_think):]
-        while answer and self.tokenizer.decode([answer[0]]).strip("\n") == "":
+        last = len(reply) - 1 - reply[::-1].index(end_think)  # where the last </think> is
+        answer = reply[last + 1:]
+        text = lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False)
+        while answer and text(answer[0]).strip("\n") == "":  # the newlines opening the answer
             answer = answer[1:]
         return answer
 
     def reply(self, message, max_tokens, sampling=Sampling(), eos_ids=()):
         """Yield (token id, logits) of the reply to `message`, like generate(). The reply joins the
-        history also when the caller stops early: then close() this generator."""
+        history also when the caller stops early (then close() this generator), even if empty."""
         ids = self.prompt_ids(message)
-        self.reused = 0  # the prefix shared with the cache; the last id is always fed (the logits)
+        # How many leading ids the cache already holds. The last id is always fed again: its logits
+        # give the reply's first token.
+        self.reused = 0
         for cached, new in zip(self.cached_ids, ids[:-1]):
             if cached != new:
                 break
@@ -562,8 +574,10 @@ class Chat:
                 yield token_id, logits
         finally:  # finished, stopped by the caller, or interrupted by Ctrl-C inside generate()
             self.turns.append((message, reply))
-            # What the cache holds now: generate() may have fed one token more than it yielded,
-            # and a step interrupted midway may have reached only some layers.
+            # What the cache holds now. `offset` counts the positions already written (MLX computes
+            # them when next read): generate() may have fed one token more than it yielded (the
+            # <|im_end|> that ended the reply, not in `reply`, is left out here), and a step
+            # interrupted midway may have reached only some layers.
             self.cached_ids = (ids + reply)[:min(c.offset for c in self.cache)]
 
 
@@ -1016,7 +1030,7 @@ def sampling_settings(args, generation_config):
         recommended = QWEN3_THINKING | generation_config
     else:
         recommended = TRANSFORMERS_DEFAULTS | generation_config | {"temperature": 0.0}
-    given = lambda flag, name: flag if flag is not None else recommended.get(name, 0.0)
+    given = lambda flag, name: flag if flag is not None else recommended[name]
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     return Sampling(temperature=float(given(args.temperature, "temperature")),
                     top_k=int(given(args.top_k, "top_k")), top_p=float(given(args.top_p, "top_p")),
@@ -1025,15 +1039,13 @@ def sampling_settings(args, generation_config):
 
 
 def describe(sampling):
-    if sampling.temperature == 0:
-        how = "greedy"
-    else:
-        how = (f"temperature {sampling.temperature}, top-p {sampling.top_p}, "
-               f"top-k {sampling.top_k}, seed {sampling.seed}")
-        how += f", min-p {sampling.min_p}" if sampling.min_p else ""
-    if sampling.presence_penalty:
-        how += f", presence penalty {sampling.presence_penalty}"
-    return how
+    """The sampling settings in the order sample() applies them."""
+    s = sampling
+    how = f"presence penalty {s.presence_penalty}, " if s.presence_penalty else ""
+    if s.temperature == 0:
+        return how + "greedy"
+    how += f"temperature {s.temperature}, top-k {s.top_k or 'off'}, top-p {s.top_p}"
+    return how + (f", min-p {s.min_p}" if s.min_p else "") + f", seed {s.seed}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1120,7 +1132,8 @@ def read_message(interactive):
 
 def make_room(chat, message, max_tokens):
     """Forget the oldest turns until the conversation, the new message and a whole reply fit in
-    the context; say so on stderr. A message too long even alone is a UserError."""
+    the context; say so on stderr. A message too long even alone is a UserError. Once the context
+    is full, each turn drops the oldest and prefills the whole conversation again: slower turns."""
     context, dropped = chat.config.max_position_embeddings, 0
     while len(chat.prompt_ids(message)) + max_tokens > context and chat.turns:
         del chat.turns[0]  # the cache rolls back to the system message and prefills the rest
@@ -1135,26 +1148,25 @@ def make_room(chat, message, max_tokens):
               f"{dropped} turn{'s' if dropped > 1 else ''})", file=sys.stderr)
 
 
-def chat_turn(chat, message, max_tokens, sampling, eos_ids, printer):
-    """One message and its reply, streamed by `printer`. Returns (interrupted, prefill tok/s,
-    decode tok/s). Ctrl-C stops the reply; what was generated stays in the history."""
-    replies = chat.reply(message, max_tokens, sampling, eos_ids)
+def stream(tokens, printer, on_first_logits=None):
+    """Print (token id, logits) pairs as they are generated, until the end or Ctrl-C. Returns
+    (interrupted, seconds to the first token: the prefill, seconds for the rest: the decode)."""
     start = first = time.perf_counter()
     interrupted = False
     try:
-        for token_id, _ in replies:
+        for token_id, logits in tokens:
             if printer.n_tokens == 0:
-                first = time.perf_counter()  # prefill done
+                first = time.perf_counter()
+                if on_first_logits:
+                    on_first_logits(logits)
             printer.add(token_id)  # <|im_end|> prints nothing
     except KeyboardInterrupt:
         interrupted = True
     finally:
-        replies.close()  # the (partial) reply joins the history
+        tokens.close()  # for Chat.reply: the (partial) reply joins the history now
     end = time.perf_counter()
     printer.finish()
-    n = printer.n_tokens
-    return (interrupted, chat.prefilled / (first - start) if n else 0.0,
-            (n - 1) / (end - first) if n > 1 else 0.0)
+    return interrupted, first - start, end - first
 
 
 def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think):
@@ -1172,26 +1184,30 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think):
             message = read_message(interactive)
             if message is None or message.strip() == "/exit":
                 return
+            if not message.strip():
+                continue
             if message.strip() == "/reset":
                 chat.turns.clear()  # the cache rolls back by itself at the next turn
                 turn = 0
                 print("(conversation reset)", file=sys.stderr)
                 continue
-            if message.strip():
-                make_room(chat, message, max_tokens)
+            make_room(chat, message, max_tokens)
         except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, as in Python's REPL
             print(file=sys.stderr)
             continue
         except UserError as e:  # a bad message is skipped; the chat goes on
             print(f"error: {e}", file=sys.stderr)
             continue
-        if not message.strip():
+        n_turns, printer = len(chat.turns), ReplyPrinter(chat.tokenizer, hide_think)
+        interrupted, prefill_s, decode_s = stream(
+            chat.reply(message, max_tokens, sampling, eos_ids), printer)
+        if len(chat.turns) == n_turns:  # Ctrl-C before the reply began: nothing happened
+            print("Interrupted.", file=sys.stderr)
             continue
         turn += 1
-        printer = ReplyPrinter(chat.tokenizer, hide_think)
-        interrupted, prefill, decode = chat_turn(chat, message, max_tokens, sampling, eos_ids,
-                                                 printer)
         n = len(chat.turns[-1][1])  # the reply as the history keeps it (without <|im_end|>)
+        prefill = chat.prefilled / prefill_s if printer.n_tokens else 0.0
+        decode = (printer.n_tokens - 1) / decode_s if printer.n_tokens > 1 else 0.0
         thinking = f", {printer.n_thinking} thinking" if printer.n_thinking else ""
         print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: {chat.reused} tokens reused "
               f"from the cache, {chat.prefilled} prefilled at {prefill:.1f} tok/s | Reply: {n} "
@@ -1201,13 +1217,19 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think):
 def main(argv=None):
     global FUSED_KERNELS
     args = parse_args(argv)
-    interactive_chat = args.chat and args.prompt is None
-    prompt = None if interactive_chat else read_prompt(
+    multi_turn = args.chat and args.prompt is None
+    prompt = None if multi_turn else read_prompt(
         DEFAULT_PROMPT if args.prompt is None else args.prompt)
     system = checked_text(args.system, "--system") if args.system is not None else None
     if args.chat and args.temperature == 0:
         print("warning: Qwen advises against greedy decoding (--temperature 0) in chat: in "
               "thinking mode it leads to endless repetition", file=sys.stderr)
+    greedy = args.temperature == 0 or (args.temperature is None and not args.chat)
+    ignored = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
+                                        ("--min-p", args.min_p)) if value is not None]
+    if greedy and ignored:
+        print(f"warning: {', '.join(ignored)} only matter when sampling; greedy decoding "
+              "ignores them (add --temperature)", file=sys.stderr)
     model_dir = find_model(args.model, allow_download=not args.no_download)
     dtype = pick_dtype(args.dtype)
     config, weights, tokenizer, generation_config = load_model(model_dir, dtype)
@@ -1219,7 +1241,7 @@ def main(argv=None):
     if args.no_compile:
         mx.disable_compile()
 
-    if not interactive_chat:
+    if not multi_turn:
         text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
         prompt_ids = tokenize(tokenizer, text)
         if len(prompt_ids) + max_tokens > context:
@@ -1231,7 +1253,7 @@ def main(argv=None):
     print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
           f"{c.num_attention_heads} Q heads, {c.num_key_value_heads} KV heads) on {device_name()}, "
           f"{str(dtype).split('.')[-1]}", file=sys.stderr)
-    if interactive_chat:
+    if multi_turn:
         print(f"Chat: {describe(sampling)}, up to {max_tokens} tokens per reply. /reset starts "
               "over; /exit or Ctrl-D ends; Ctrl-C stops a reply.", file=sys.stderr)
         chat = Chat(weights, config, tokenizer, system, think=not args.no_think)
@@ -1243,27 +1265,19 @@ def main(argv=None):
         trace(prompt_ids, weights, config, tokenizer)
         return 0
 
-    printer, interrupted = ReplyPrinter(tokenizer, args.hide_think), False
-    start = first = time.perf_counter()
-    try:
-        for token_id, logits in generate(prompt_ids, weights, config, max_tokens, sampling,
-                                         eos_ids, use_cache=not args.no_cache):
-            if printer.n_tokens == 0:
-                first = time.perf_counter()  # prefill done: time to first token
-                if args.top_probs:  # the very logits the first token was sampled from
-                    print_top_probs(logits, tokenizer, args.top_probs)
-            printer.add(token_id)
-    except KeyboardInterrupt:
-        interrupted = True
-    end = time.perf_counter()
-    printer.finish()
+    printer = ReplyPrinter(tokenizer, args.hide_think)
+    top_probs = args.top_probs and (lambda logits: print_top_probs(logits, tokenizer,
+                                                                   args.top_probs))
+    interrupted, prefill_s, decode_s = stream(
+        generate(prompt_ids, weights, config, max_tokens, sampling, eos_ids,
+                 use_cache=not args.no_cache), printer, top_probs)
     n_generated = printer.n_tokens
-    prefill_rate = len(prompt_ids) / (first - start) if n_generated else 0.0
-    decode_rate = (n_generated - 1) / (end - first) if n_generated > 1 else 0.0
+    prefill_rate = len(prompt_ids) / prefill_s if n_generated else 0.0
+    decode_rate = (n_generated - 1) / decode_s if n_generated > 1 else 0.0
     print(f"{'Interrupted. ' if interrupted else ''}Prompt: {len(prompt_ids)} tokens, "
           f"{prefill_rate:.1f} tok/s | Generated: {n_generated} tokens, {decode_rate:.1f} tok/s | "
-          f"Total: {end - start:.2f} s | Peak memory: {mx.get_peak_memory() / 1e9:.2f} GB",
-          file=sys.stderr)
+          f"Total: {prefill_s + decode_s:.2f} s | Peak memory: "
+          f"{mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr)
     return 130 if interrupted else 0
 
 

@@ -250,7 +250,7 @@ def test_no_color_turns_colours_off(reference, monkeypatch):
 # Sampling settings
 # ------------------------------------------------------------------------------------------------
 
-SETTINGS = re.compile(r"temperature ([\d.]+), top-p ([\d.]+), top-k (\d+), seed (\d+)(, min-p ([\d.]+))?")
+SETTINGS = re.compile(r"temperature ([\d.]+), top-k (\d+), top-p ([\d.]+)(, min-p ([\d.]+))?, seed (\d+)")
 
 
 @pytest.mark.parametrize("flags,expected", [
@@ -264,7 +264,7 @@ def test_sampling_defaults(tiny_model, tmp_path, flags, expected):
                          *flags, cwd=tmp_path)
     assert rc == 0, err
     settings = SETTINGS.search(err.splitlines()[1])
-    assert (settings[1], settings[2], settings[3], settings[6]) == expected
+    assert (settings[1], settings[3], settings[2], settings[5]) == expected  # T, top-p, top-k, min-p
 
 
 def test_completion_sampling_falls_back_on_transformers_defaults(variant, tmp_path, reference):
@@ -273,7 +273,7 @@ def test_completion_sampling_falls_back_on_transformers_defaults(variant, tmp_pa
     rc, out, err = run_cli("--model", folder, "--prompt", "Hi", "--max-tokens", 8, "--seed", 3,
                            "--temperature", "0.9", cwd=tmp_path)
     assert rc == 0, err
-    assert "temperature 0.9, top-p 1.0, top-k 50, seed 3" in err.splitlines()[1]
+    assert "temperature 0.9, top-k 50, top-p 1.0, seed 3" in err.splitlines()[1]
     sampling = li.Sampling(temperature=0.9, top_k=50, top_p=1.0, seed=3)
     ids = [t for t, _ in li.generate(reference.ids("Hi"), reference.weights, reference.config, 8,
                                      sampling, {151643, 151645})]
@@ -284,7 +284,7 @@ def test_presence_penalty_reaches_the_sampler(tiny_model, reference, tmp_path):
     rc, out, err = run_cli("--model", tiny_model, "--prompt", "Hi", "--max-tokens", 16,
                            "--presence-penalty", "2", cwd=tmp_path)
     assert rc == 0, err
-    assert "greedy, presence penalty 2.0" in err.splitlines()[1]
+    assert err.splitlines()[1].endswith("presence penalty 2.0, greedy")
     ids = [t for t, _ in li.generate(reference.ids("Hi"), reference.weights, reference.config, 16,
                                      li.Sampling(presence_penalty=2.0), reference.eos_ids)]
     assert out == reference.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd") + "\n"
@@ -366,3 +366,36 @@ def test_a_line_that_is_not_utf8_is_skipped_in_one_line(tiny_model, tmp_path):
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "not valid UTF-8" in errors[0]
     assert [int(t[2]) for t in turn_lines(err)] == [1]  # "Hi" was answered
+
+
+def test_filters_given_without_sampling_are_said_to_be_ignored(tiny_model, tmp_path):
+    rc, _, err = run_cli("--model", tiny_model, "--prompt", "Hi", "--max-tokens", 2, "--top-k", 5,
+                         "--min-p", "0.1", cwd=tmp_path)
+    assert rc == 0
+    assert err.splitlines()[0] == ("warning: --top-k, --min-p only matter when sampling; greedy "
+                                   "decoding ignores them (add --temperature)")
+    rc, _, err = run_cli("--model", tiny_model, "--prompt", "Hi", "--max-tokens", 2, "--top-k", 5,
+                         "--temperature", "0.5", cwd=tmp_path)
+    assert rc == 0 and "warning" not in err
+
+
+def test_ctrl_c_before_a_reply_begins_leaves_the_chat_as_it_was(tiny_model, reference, monkeypatch,
+                                                                  capsys):
+    """Ctrl-C while the conversation is being tokenized: no turn, no statistics, the chat goes on."""
+    chat = li.Chat(reference.weights, reference.config, reference.tokenizer)
+    calls = 0
+
+    def prompt_ids(message):
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # make_room calls it twice; the third call is Chat.reply's own
+            raise KeyboardInterrupt
+        return li.Chat.prompt_ids(chat, message)
+
+    monkeypatch.setattr(chat, "prompt_ids", prompt_ids)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hi\nHello\n")))
+    li.chat_loop(chat, 4, li.Sampling(), reference.eos_ids, hide_think=False)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "Interrupted."
+    assert [int(t[2]) for t in turn_lines("\n".join(err))] == [1]  # "Hello" was answered
+    assert [message for message, _ in chat.turns] == ["Hello"]

@@ -226,7 +226,7 @@ def test_chat_no_think_with_system(tiny_model, reference, tmp_path):
         run_cli("--model", tiny_model, "--max-tokens", 16, "--chat", "--no-think", "--system", system,
                 "--prompt", user, "--seed", 7, cwd=tmp_path))
     # --chat --no-think takes Qwen3's recommended non-thinking sampling: 0.7 / 0.8 / top-k 20.
-    assert lines[1] == f"Prompt: {user!r} ({len(reference.ids(chat))} tokens), temperature 0.7, top-p 0.8, top-k 20, seed 7"
+    assert lines[1] == f"Prompt: {user!r} ({len(reference.ids(chat))} tokens), temperature 0.7, top-k 20, top-p 0.8, seed 7"
     expected = reference.generate(chat, 16, temperature=0.7, top_k=20, top_p=0.8, seed=7)
     assert n_prompt == len(reference.ids(chat))
     assert n_generated == len(expected)
@@ -238,7 +238,7 @@ def test_sampling_is_reproducible_per_seed(tiny_model, reference, tmp_path):
     def sample(seed):
         text, lines, _, n_generated = parse_success(
             run_cli("--model", tiny_model, "--max-tokens", 12, "--temperature", 0.8, "--seed", seed, cwd=tmp_path))
-        assert lines[1].endswith(f"temperature 0.8, top-p 0.95, top-k 20, seed {seed}")
+        assert lines[1].endswith(f"temperature 0.8, top-k 20, top-p 0.95, seed {seed}")
         return text
 
     first, again, other = sample(3), sample(3), sample(4)
@@ -323,7 +323,7 @@ def test_null_generation_config_values_are_unset(tiny_model, variant, tmp_path):
     _, lines, _, _ = parse_success(run_cli("--model", folder, "--chat", "--prompt", "Hi", "--max-tokens", 3,
                                            "--seed", 1, cwd=tmp_path))
     # Unset: Qwen's recommendations for thinking mode (model card) apply.
-    assert lines[1].endswith("temperature 0.6, top-p 0.95, top-k 20, seed 1")
+    assert lines[1].endswith("temperature 0.6, top-k 20, top-p 0.95, seed 1")
 
 
 # ------------------------------------------------------------------------------------------------
