@@ -85,8 +85,8 @@ LAYER_TENSORS = {
 
 
 def weight_files(model_dir):
-    """model.safetensors, or, for larger models split into shards, the files that
-    model.safetensors.index.json lists: {"weight_map": {name: "model-00001-of-00002.safetensors"}}."""
+    """model.safetensors, or, for larger models split into shards, the files listed in
+    model.safetensors.index.json: {"weight_map": {name: "model-00001-of-00002.safetensors"}}."""
     model_dir = Path(model_dir)
     if (model_dir / "model.safetensors").exists():  # the single file first, as transformers does
         return [model_dir / "model.safetensors"]
@@ -110,9 +110,9 @@ def load_weights(model_dir, config, dtype):
     layers = [{short: tensor(f"model.layers.{i}.{name}") for short, name in LAYER_TENSORS.items()}
               for i in range(config.num_hidden_layers)]
     embed_tokens = tensor("model.embed_tokens.weight")  # (151936, 1024)
-    # Tied embeddings: the LM head *is* the embedding table (the same array: 311 MB not copied).
-    # Untied ones (Qwen3-8B and up) store their own lm_head.weight. A tied checkpoint may store one
-    # too: a copy we drop, or a different matrix, which transformers then uses, and so do we.
+    # The LM head (section 9). Tied checkpoints (Qwen3-0.6B to 4B) reuse the embedding table: the
+    # same array, 311 MB not copied. Untied ones (8B and up) store lm_head.weight. A tied one may
+    # store it too: a copy, dropped, or a different matrix, which transformers 5 uses; so do we.
     lm_head = embed_tokens
     if "lm_head.weight" in tensors:
         head = tensor("lm_head.weight")  # (151936, 1024)
@@ -975,6 +975,9 @@ def main(argv=None):
     print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
           f"{c.num_attention_heads} Q heads, {c.num_key_value_heads} KV heads) on {device_name()}, "
           f"{str(dtype).split('.')[-1]}", file=sys.stderr)
+    if c.tie_word_embeddings and weights["lm_head"] is not weights["embed_tokens"]:
+        print("Note: config.json ties the LM head to the embeddings, but the checkpoint stores a "
+              "different lm_head.weight; using it, as transformers does", file=sys.stderr)
     if sampling.temperature == 0:
         how = "greedy"
     else:

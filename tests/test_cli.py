@@ -487,6 +487,23 @@ def test_sharded_checkpoint_gives_the_same_text(sharded_model, greedy_24, tmp_pa
     assert text == greedy_24 and n_generated == 24
 
 
+@pytest.mark.parametrize("head", ["same", "different"])
+def test_tied_checkpoint_storing_lm_head(tmp_path, head):
+    """A tied config whose file also holds lm_head.weight: a copy changes nothing; a different matrix
+    is used (as transformers 5 does, tests/test_hf_parity.py) and one line says so."""
+    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG, tied_head=head)
+    reference = Reference(folder, li.pick_dtype("auto"))
+    assert (reference.weights["lm_head"] is reference.weights["embed_tokens"]) == (head == "same")
+    text, lines, _, _ = parse_success(run_cli("--model", folder, "--max-tokens", 12, cwd=tmp_path))
+    assert text == reference.text(PROMPT, 12)
+    notes = [line for line in lines if "lm_head.weight" in line]
+    if head == "same":
+        assert notes == [] and len(lines) == 3
+    else:
+        assert notes == ["Note: config.json ties the LM head to the embeddings, but the checkpoint "
+                         "stores a different lm_head.weight; using it, as transformers does"]
+
+
 def shard_of(folder, name):
     return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][name]
 
