@@ -505,8 +505,11 @@ def check_config(model_dir):
         raise UserError(f"{path} is not UTF-8 text; re-download it")
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON ({e}); re-download it")
-    if not isinstance(raw, dict) or raw.get("model_type") != "qwen3":
-        found = raw.get("model_type") if isinstance(raw, dict) else None
+    found = raw.get("model_type") if isinstance(raw, dict) else None
+    if found == "qwen3_moe":
+        raise UserError(f"{path} describes a mixture-of-experts model (model_type 'qwen3_moe'), "
+                        "which this script does not implement; use a dense Qwen3 model")
+    if found != "qwen3":
         raise UserError(f"{path} is not a Qwen3 config (model_type is {found!r}, expected 'qwen3')")
     rope = raw.get("rope_parameters") or {}
     unsupported = {  # variants Part 1 does not implement: refuse them rather than run them wrong
@@ -622,6 +625,29 @@ def check_weights(model_dir, config):
         if not isinstance(offsets[1], int) or start + offsets[1] > size:
             raise UserError(f"{path} is damaged (it ends inside tensor {name!r}: an interrupted "
                             "download?); re-download it")
+
+
+def check_chat_template(model_dir):
+    """--chat writes Qwen3's hybrid-thinking format by hand (section 2). Qwen3-2507 Instruct (never
+    thinks) and Thinking (always thinks) were trained on other formats: their templates, unlike the
+    hybrid one, have no enable_thinking switch. A folder without a template is given the benefit."""
+    model_dir = Path(model_dir)
+    path = model_dir / "chat_template.jinja"  # newer checkpoints keep the template in its own file
+    try:
+        if path.is_file():
+            template = path.read_text(encoding="utf-8")
+        else:
+            path = model_dir / "tokenizer_config.json"
+            config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+            template = config.get("chat_template") or ""
+            if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+                template = "".join(t.get("template", "") for t in template
+                                   if t.get("name") == "default")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise UserError(f"cannot read {path} ({e}); re-download it")
+    if template and "enable_thinking" not in template:
+        raise UserError(f"{path} holds a chat template other than Qwen3's hybrid-thinking one that "
+                        "--chat writes (a Qwen3-2507 model?); run it without --chat")
 
 
 def load_generation_config(model_dir):
@@ -955,6 +981,8 @@ def main(argv=None):
     prompt = read_prompt(args.prompt)
     system = checked_text(args.system, "--system") if args.system is not None else None
     model_dir = find_model(args.model, allow_download=not args.no_download)
+    if args.chat:
+        check_chat_template(model_dir)
     dtype = pick_dtype(args.dtype)
     config, weights, tokenizer, generation_config = load_model(model_dir, dtype)
     eos_ids = eos_token_ids(generation_config, tokenizer)

@@ -395,6 +395,53 @@ def test_config_not_qwen3(tiny_model, variant, tmp_path):
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "not a Qwen3 config", "'llama'")
 
 
+def test_config_mixture_of_experts(tiny_model, variant, tmp_path):
+    folder = variant(config_json=tiny_config(tiny_model) | {"model_type": "qwen3_moe", "num_experts": 8})
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "mixture-of-experts", "'qwen3_moe'",
+                          "does not implement")
+
+
+# The end of Qwen3-2507's templates, which have no enable_thinking switch: Instruct never thinks, Thinking
+# always opens <think> itself. Qwen3's hybrid template (tests/checkpoint.py's CHAT_TEMPLATE is modelled on
+# it) tests `enable_thinking is defined and enable_thinking is false`.
+INSTRUCT_2507_TAIL = "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}"
+THINKING_2507_TAIL = "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n<think>\\n' }}\n{%- endif %}"
+
+
+def tokenizer_config(tiny_model, template):
+    return json.loads((tiny_model / "tokenizer_config.json").read_text()) | {"chat_template": template}
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "tokenizer_config.json list", "chat_template.jinja"])
+@pytest.mark.parametrize("tail", [INSTRUCT_2507_TAIL, THINKING_2507_TAIL], ids=["instruct", "thinking"])
+def test_chat_refuses_a_non_hybrid_template(tiny_model, variant, tmp_path, where, tail):
+    template = "{%- for message in messages %}{{- message.content }}{%- endfor %}" + tail
+    if where == "chat_template.jinja":  # transformers >= 4.52 saves the template beside the config
+        folder = variant(tokenizer_config_json=tokenizer_config(tiny_model, None))
+        (folder / "chat_template.jinja").write_text(template)
+    elif where.endswith("list"):  # the older form for several named templates
+        folder = variant(tokenizer_config_json=tokenizer_config(
+            tiny_model, [{"name": "default", "template": template}, {"name": "tool_use", "template": tail}]))
+    else:
+        folder = variant(tokenizer_config_json=tokenizer_config(tiny_model, template))
+    assert_one_line_error(run_cli("--model", folder, "--chat", cwd=tmp_path), 1, "hybrid-thinking",
+                          "without --chat")
+    parse_success(run_cli("--model", folder, "--max-tokens", 2, cwd=tmp_path))  # plain completion works
+
+
+def test_chat_accepts_the_hybrid_template_as_jinja_file(tiny_model, variant, reference, tmp_path):
+    folder = variant(tokenizer_config_json=tokenizer_config(tiny_model, None))
+    hybrid = json.loads((tiny_model / "tokenizer_config.json").read_text())["chat_template"]
+    (folder / "chat_template.jinja").write_text(hybrid)
+    parse_success(run_cli("--model", folder, "--chat", "--max-tokens", 2, cwd=tmp_path))
+
+
+def test_chat_template_file_unreadable(variant, tmp_path):
+    folder = variant(tokenizer_config_json=b"{oops")
+    assert_one_line_error(run_cli("--model", folder, "--chat", cwd=tmp_path), 1,
+                          f"cannot read {folder / 'tokenizer_config.json'}")
+
+
 def test_config_missing_key(tiny_model, variant, tmp_path):
     config = tiny_config(tiny_model)
     del config["num_hidden_layers"]
