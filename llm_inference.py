@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -553,13 +554,8 @@ def weight_shapes(config):
     return shapes
 
 
-def checked_weight_files(model_dir):
-    """Part 1's weight_files(), after checking a sharded checkpoint's index and that every shard it
-    names is there."""
-    model_dir = Path(model_dir)
-    index = model_dir / WEIGHTS_INDEX
-    if (model_dir / "model.safetensors").exists() or not index.exists():
-        return weight_files(model_dir)
+def checked_shard_names(index):
+    """The shard files a sharded checkpoint's model.safetensors.index.json names."""
     try:
         shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
     except OSError as e:
@@ -570,7 +566,18 @@ def checked_weight_files(model_dir):
     if not shards or not all(isinstance(name, str) and Path(name).name == name for name in shards):
         raise UserError(f"{index} is not a valid index of shards (a JSON object whose "
                         "'weight_map' names a file for each tensor); re-download it")
-    missing = sorted(name for name in shards if not (model_dir / name).is_file())
+    return sorted(shards)
+
+
+def checked_weight_files(model_dir):
+    """Part 1's weight_files(), after checking a sharded checkpoint's index and that every shard it
+    names is there."""
+    model_dir = Path(model_dir)
+    index = model_dir / WEIGHTS_INDEX
+    if (model_dir / "model.safetensors").exists() or not index.exists():
+        return weight_files(model_dir)
+    shards = checked_shard_names(index)
+    missing = [name for name in shards if not (model_dir / name).is_file()]
     if missing:
         raise UserError(f"{model_dir} lacks {missing[0]}, one of the {len(shards)} shards named in "
                         f"{WEIGHTS_INDEX} ({len(missing)} missing); re-download it")
@@ -696,7 +703,7 @@ def load_model(model_dir, dtype):
 
 
 # ------------------------------------------------------------------------------------------------
-# Downloading the default model
+# Finding the model: a folder, or a Hugging Face repo id downloaded once into a folder
 # ------------------------------------------------------------------------------------------------
 
 def default_model_dir():
@@ -705,38 +712,64 @@ def default_model_dir():
     return here if here.is_dir() else Path(__file__).resolve().parent / "Qwen3-0.6B"
 
 
-def download_command(model_dir):
-    return f"hf download {HF_REPO} {' '.join(MODEL_FILES)} --local-dir {model_dir}"
+def is_repo_id(text):
+    """'owner/name', as Hugging Face spells repo ids: letters, digits, '-', '_' and '.'."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", text) is not None
 
 
-def download_model(model_dir):
-    """Fetch Qwen3-0.6B's files from Hugging Face into model_dir, all or nothing.
+def repo_dir(repo):
+    """Where a repo id's files go: Qwen/Qwen3-1.7B -> Qwen/Qwen3-1.7B next to this script."""
+    return Path(__file__).resolve().parent / repo
 
-    Files land in a temporary folder beside model_dir first and are moved in only once all have
-    arrived, so an interrupted download never leaves a folder that looks complete.
+
+def download_command(repo, model_dir):
+    files = f" {' '.join(MODEL_FILES)}" if repo == HF_REPO else ""
+    return f"hf download {repo}{files} --local-dir {model_dir}"
+
+
+def download_model(repo, model_dir):
+    """Fetch the files Part 1 reads from a Hugging Face repo into model_dir, all or nothing.
+
+    Files land in a temporary folder first and are moved in only once all have arrived, so an
+    interrupted download never leaves a folder that looks complete, nor any new folder at all.
     """
     import huggingface_hub  # only needed here, on the first run
 
     model_dir = Path(model_dir)
     staging = None
+    fetch = lambda name: huggingface_hub.hf_hub_download(repo, name, local_dir=staging)
     try:
-        info = huggingface_hub.HfApi().model_info(HF_REPO, files_metadata=True)
-        sizes = {s.rfilename: s.size or 0 for s in info.siblings}
-        total = sum(sizes.get(name, 0) for name in MODEL_FILES)
-        print(f"Downloading {HF_REPO} ({len(MODEL_FILES)} files, {total / 1e9:.2f} GB) "
-              f"into {model_dir}/", file=sys.stderr)
-        model_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.download-",
-                                        dir=model_dir.parent))
-        for name in MODEL_FILES:
-            huggingface_hub.hf_hub_download(HF_REPO, name, local_dir=staging)
-        model_dir.mkdir(exist_ok=True)
-        for name in MODEL_FILES:
+        info = huggingface_hub.HfApi().model_info(repo, files_metadata=True)
+        sizes = {s.rfilename: s.size or 0 for s in info.siblings}  # every file in the repo
+        lacking = [name for name in NEEDED_FILES if name not in sizes]
+        if lacking == ["model.safetensors"] and WEIGHTS_INDEX in sizes:
+            lacking = []  # sharded: the index names the shards
+        if lacking:
+            raise UserError(f"{repo} has no {', '.join(lacking)}: it is not a Qwen3 checkpoint "
+                            "in Hugging Face's safetensors layout")
+        root = next(folder for folder in model_dir.parents if folder.is_dir())
+        staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.download-", dir=root))
+        fetch("config.json")
+        check_config(staging)  # refuse a model this script does not run before fetching gigabytes
+        names = [name for name in (*MODEL_FILES, "chat_template.jinja") if name in sizes]
+        if "model.safetensors" not in sizes:
+            fetch(WEIGHTS_INDEX)
+            names += [WEIGHTS_INDEX, *checked_shard_names(staging / WEIGHTS_INDEX)]
+        print(f"Downloading {repo} ({len(names)} files, "
+              f"{sum(sizes.get(name, 0) for name in names) / 1e9:.2f} GB) into {model_dir}/",
+              file=sys.stderr)
+        for name in names:
+            if not (staging / name).exists():
+                fetch(name)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        for name in names:
             os.replace(staging / name, model_dir / name)
+    except UserError as e:  # name the repo in the message, not the temporary folder
+        raise UserError(str(e).replace(str(staging), repo) if staging else str(e))
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"could not download {HF_REPO} ({type(e).__name__}: {reason}); "
-                        f"fetch it by hand with: {download_command(model_dir)}")
+        raise UserError(f"could not download {repo} ({type(e).__name__}: {reason}); "
+                        f"fetch it by hand with: {download_command(repo, model_dir)}")
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -751,8 +784,14 @@ def missing_files(model_dir):
 
 
 def find_model(model_arg, allow_download):
-    """The model folder to use; downloads the default one when it is missing or incomplete."""
-    model_dir = Path(model_arg) if model_arg else default_model_dir()
+    """The model folder to use. --model is a folder when that path exists or is no repo id; it is
+    never downloaded into, as it may hold another model. A repo id (the default: Qwen/Qwen3-0.6B)
+    is downloaded into its folder when that is missing or incomplete."""
+    if model_arg and (Path(model_arg).exists() or not is_repo_id(model_arg)):
+        model_dir, repo = Path(model_arg), None
+    else:
+        repo = model_arg or HF_REPO
+        model_dir = repo_dir(repo) if model_arg else default_model_dir()
     missing = missing_files(model_dir)
     if not missing:
         return model_dir
@@ -760,14 +799,15 @@ def find_model(model_arg, allow_download):
         what = f"{model_dir} lacks {', '.join(missing)}"
     else:
         what = f"model folder {model_dir} not found"
-    if model_arg:  # an explicit folder is never filled with 0.6B files: it may hold another model
+    if repo is None:
         raise UserError(f"{what}; point --model at a folder with {', '.join(NEEDED_FILES)} "
-                        f"(or {WEIGHTS_INDEX} and its shards)")
+                        f"(or {WEIGHTS_INDEX} and its shards), or at a repo id such as "
+                        "Qwen/Qwen3-1.7B")
     if not allow_download:
         raise UserError(f"{what} and --no-download was given; "
-                        f"fetch it with: {download_command(model_dir)}")
+                        f"fetch it with: {download_command(repo, model_dir)}")
     try:
-        download_model(model_dir)
+        download_model(repo, model_dir)
     except UserError as e:
         raise UserError(f"{what}, and {e}")
     return model_dir
@@ -937,7 +977,9 @@ def parse_args(argv):
     ap.add_argument("--seed", type=number(int, 0, 2**64 - 1),
                     help="random seed for sampling (default: a fresh one)")
     ap.add_argument("--model",
-                    help="model folder (default: ./Qwen3-0.6B, else the one next to this script)")
+                    help="a model folder, or a Hugging Face repo id such as Qwen/Qwen3-1.7B, "
+                    "downloaded once into the folder Qwen/Qwen3-1.7B next to this script "
+                    "(default: ./Qwen3-0.6B, else the one next to this script)")
     ap.add_argument("--no-download", action="store_true",
                     help="never download the model, fail instead")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in Qwen3's chat format")

@@ -688,12 +688,15 @@ def test_default_folder_incomplete_no_download(app, tiny_model):
 
 
 class FakeHub:
-    """Just enough of the Hugging Face Hub API, on 127.0.0.1, to serve Qwen/Qwen3-0.6B's files from a folder."""
+    """Just enough of the Hugging Face Hub API, on 127.0.0.1, to serve a folder's files as a repo (by default
+    Qwen/Qwen3-0.6B), plus a README.md and LICENSE like a real repo's, which the script should not fetch."""
 
     COMMIT = "c1899de289a04d12100db370d81485cdf75e47ca"
 
-    def __init__(self, folder, missing=()):
-        self.files = {name: (folder / name).read_bytes() for name in li.MODEL_FILES}
+    def __init__(self, folder, missing=(), repo=li.HF_REPO):
+        self.repo = repo
+        self.files = {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+        self.files |= {"README.md": b"# A model\n", "LICENSE": b"Apache-2.0\n"}
         self.missing = set(missing)  # answered 404, as if the repo lacked them
         self.requests = []
         hub = self
@@ -711,10 +714,10 @@ class FakeHub:
             def answer(self, body):
                 path = self.path.split("?")[0]
                 hub.requests.append((self.command, path))
-                prefix = f"/{li.HF_REPO}/resolve/"
-                if path == f"/api/models/{li.HF_REPO}":
+                prefix = f"/{hub.repo}/resolve/"
+                if path == f"/api/models/{hub.repo}":
                     siblings = [{"rfilename": n, "size": len(d)} for n, d in hub.files.items()]
-                    self.send(200, json.dumps({"id": li.HF_REPO, "sha": hub.COMMIT, "siblings": siblings}).encode(),
+                    self.send(200, json.dumps({"id": hub.repo, "sha": hub.COMMIT, "siblings": siblings}).encode(),
                               body, {"Content-Type": "application/json"})
                 elif path.startswith(prefix) and path.split("/", 5)[-1] in hub.files:
                     name = path.split("/", 5)[-1]
@@ -760,6 +763,7 @@ def test_download_from_hub(app, tiny_model, greedy_24):
     assert result[2].startswith(f"Downloading {li.HF_REPO} (5 files, ")
     assert text == greedy_24 and (n_prompt, n_generated) == (5, 24)
     assert sorted(p.name for p in model_dir.iterdir()) == sorted(li.MODEL_FILES)
+    assert ("GET", f"/{li.HF_REPO}/resolve/main/README.md") not in hub.requests
     for name in li.MODEL_FILES:
         assert (model_dir / name).read_bytes() == (tiny_model / name).read_bytes(), name
     assert no_download_leftovers(app) == []
@@ -783,7 +787,118 @@ def test_download_failing_midway_leaves_nothing(app, tiny_model):
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. Ctrl-C during generation
+# 4. --model with a Hugging Face repo id
+# ------------------------------------------------------------------------------------------------
+
+REPO = "someone/Qwen3-Tiny-Sharded"
+
+
+def online(hub):
+    return dict(HF_HUB_OFFLINE=None, HF_ENDPOINT=hub.url, HF_HUB_DISABLE_PROGRESS_BARS="1")
+
+
+def leftovers(app):
+    """Anything a download left beside the script."""
+    return sorted(p.name for p in app.iterdir() if p.name != SCRIPT.name)
+
+
+def test_repo_id_is_downloaded_next_to_the_script_then_reused(app, sharded_model, greedy_24, tmp_path):
+    elsewhere = tmp_path / "elsewhere"  # the working folder: it holds no someone/ folder
+    elsewhere.mkdir()
+    with FakeHub(sharded_model, repo=REPO) as hub:
+        rc, out, err = run_cli("--model", REPO, "--max-tokens", 24, cwd=elsewhere, script=app / SCRIPT.name,
+                               **online(hub))
+    first, rest = err.split("\n", 1)
+    shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    fetched = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               li.WEIGHTS_INDEX, *shards]
+    total = sum(len(hub.files[name]) for name in fetched)
+    assert first == f"Downloading {REPO} (8 files, {total / 1e9:.2f} GB) into {app / REPO}/"
+    text, _, _, n_generated = parse_success((rc, out, rest))
+    assert text == greedy_24 and n_generated == 24
+    gets = [path.rsplit("/", 1)[-1] for method, path in hub.requests if method == "GET" and "/resolve/" in path]
+    assert gets.index(li.WEIGHTS_INDEX) < min(gets.index(name) for name in shards)  # the index, then its shards
+    assert "README.md" not in gets
+    assert sorted(p.name for p in (app / REPO).iterdir()) == sorted(fetched)
+    for name in fetched:
+        assert (app / REPO / name).read_bytes() == hub.files[name], name
+    assert leftovers(app) == ["someone"] and leftovers(app / "someone") == [REPO.split("/")[1]]
+    # Afterwards: offline, from anywhere, the folder is used as it is; from the script's folder the repo id
+    # is also an existing path, which wins.
+    for cwd in (elsewhere, app):
+        text, _, _, _ = parse_success(run_cli("--model", REPO, "--max-tokens", 24, cwd=cwd,
+                                              script=app / SCRIPT.name))
+        assert text == greedy_24
+
+
+def test_repo_id_failing_midway_leaves_nothing(app, sharded_model):
+    with FakeHub(sharded_model, repo=REPO, missing={"model-00002-of-00003.safetensors"}) as hub:
+        rc, out, err = run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, **online(hub))
+    assert ("GET", f"/{REPO}/resolve/main/model-00001-of-00003.safetensors") in hub.requests
+    first, rest = err.split("\n", 1)
+    assert first.startswith(f"Downloading {REPO} (8 files, ")
+    assert_one_line_error((rc, out, rest), 1, f"could not download {REPO}",
+                          f"hf download {REPO} --local-dir {app / REPO}")
+    assert leftovers(app) == []  # not even an empty someone/ folder
+
+
+def test_repo_id_offline(app):
+    assert_one_line_error(run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE="1"), 1,
+                          f"model folder {app / REPO} not found", f"could not download {REPO}")
+    assert leftovers(app) == []
+
+
+def test_repo_id_no_download(app):
+    assert_one_line_error(run_cli("--model", REPO, "--no-download", cwd=app, script=app / SCRIPT.name), 1,
+                          "--no-download", f"hf download {REPO} --local-dir {app / REPO}")
+    assert leftovers(app) == []
+
+
+def test_repo_id_not_found(app, tiny_model):
+    with FakeHub(tiny_model) as hub:  # serves Qwen/Qwen3-0.6B only
+        result = run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, **online(hub))
+    assert_one_line_error(result, 1, f"could not download {REPO}", "RepositoryNotFound")
+    assert leftovers(app) == []
+
+
+def test_repo_id_of_a_moe_model_is_refused_before_its_weights(app, tiny_model, variant):
+    folder = variant(config_json=tiny_config(tiny_model) | {"model_type": "qwen3_moe"})
+    with FakeHub(folder, repo=REPO) as hub:
+        result = run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, **online(hub))
+    assert_one_line_error(result, 1, f"{REPO}/config.json describes a mixture-of-experts model")
+    assert ("GET", f"/{REPO}/resolve/main/config.json") in hub.requests
+    assert not any(path.endswith(".safetensors") for _, path in hub.requests)
+    assert leftovers(app) == []
+
+
+def test_repo_id_without_safetensors(app, variant):
+    folder = variant(model_safetensors=None)
+    with FakeHub(folder, repo=REPO) as hub:
+        result = run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, **online(hub))
+    assert_one_line_error(result, 1, f"{REPO} has no model.safetensors")
+    assert leftovers(app) == []
+
+
+def test_existing_folder_named_like_a_repo_id_is_never_downloaded_into(tiny_model, tmp_path):
+    folder = tmp_path / "someone" / "model"
+    folder.mkdir(parents=True)
+    shutil.copy(tiny_model / "config.json", folder / "config.json")
+    assert_one_line_error(run_cli("--model", "someone/model", cwd=tmp_path, HF_HUB_OFFLINE=None,
+                                  HF_ENDPOINT="http://127.0.0.1:9"), 1,
+                          "someone/model lacks model.safetensors, tokenizer.json", "point --model at a folder")
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
+
+
+@pytest.mark.parametrize("text, repo", [("Qwen/Qwen3-1.7B", True), ("mlx-community/Qwen3-4B-4bit", True),
+                                        ("Qwen3-0.6B", False), ("./Qwen/Qwen3-1.7B", False),
+                                        ("/models/Qwen3", False), ("a/b/c", False), ("../x", False),
+                                        ("~/Qwen3", False)])
+def test_repo_id_or_folder(text, repo):
+    assert li.is_repo_id(text) == repo
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. Ctrl-C during generation
 # ------------------------------------------------------------------------------------------------
 
 def test_ctrl_c_keeps_text_and_prints_stats(tiny_model, reference, tmp_path):
