@@ -657,6 +657,31 @@ def check_chat_template(model_dir):
                         "--chat writes (a Qwen3-2507 model?); run it without --chat")
 
 
+def weight_bytes(config, dtype):
+    """The bytes Part 1's weights take once loaded as dtype (a tied head shares the embedding's)."""
+    return sum(math.prod(shape) for shape in weight_shapes(config).values()) * dtype.size
+
+
+def memory_size():
+    """The memory the weights must fit in: a Mac's unified memory, which its GPU shares, as MLX
+    reports it; elsewhere the machine's RAM."""
+    info = mx.device_info()
+    if "memory_size" in info:
+        return info["memory_size"]
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(needed, available, dtype):
+    """Refuse weights larger than the whole memory before reading gigabytes only to crash or swap.
+    Anything smaller is left to run: the OS can usually make room."""
+    if needed > available:
+        name = str(dtype).split(".")[-1]
+        smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
+        raise UserError(f"the weights need {needed / 1e9:.1f} GB as {name}, but this machine has "
+                        f"{available / 1e9:.1f} GB of memory; try {smaller}--quantize 4, or a "
+                        "smaller model")
+
+
 def load_generation_config(model_dir):
     """generation_config.json (optional): end-of-sequence ids, Qwen's recommended sampling."""
     path = Path(model_dir) / "generation_config.json"
@@ -686,6 +711,7 @@ def load_model(model_dir, dtype):
     Returns (config, weights, tokenizer, generation config)."""
     check_config(model_dir)
     config = load_config(model_dir)
+    check_memory(weight_bytes(config, dtype), memory_size(), dtype)
     check_weights(model_dir, config)
     path = Path(model_dir) / "tokenizer.json"
     try:

@@ -442,6 +442,18 @@ def test_chat_template_file_unreadable(variant, tmp_path):
                           f"cannot read {folder / 'tokenizer_config.json'}")
 
 
+def test_weights_too_big_for_memory(tiny_model, variant, tmp_path):
+    """A feed-forward so wide its float32 weights need 1.5 PB: refused before any weight is read (the file's
+    tensors do not even have these shapes)."""
+    folder = variant(config_json=tiny_config(tiny_model) | {"intermediate_size": 10**12})
+    needed = 2 * 3 * 64 * 10**12 * 4 + (151936 * 64 + 2 * (2 * 64 + 4 * 16 * 64 + 2 * 2 * 16 * 64 + 2 * 16)
+                                        + 64) * 4
+    line = assert_one_line_error(run_cli("--model", folder, "--dtype", "float32", cwd=tmp_path), 1,
+                                 f"the weights need {needed / 1e9:.1f} GB as float32", "--dtype bfloat16",
+                                 "--quantize 4", "smaller model")
+    assert f"{li.memory_size() / 1e9:.1f} GB of memory" in line
+
+
 def test_config_missing_key(tiny_model, variant, tmp_path):
     config = tiny_config(tiny_model)
     del config["num_hidden_layers"]
