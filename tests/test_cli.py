@@ -466,8 +466,12 @@ def test_config_value_not_a_number(tiny_model, variant, tmp_path):
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "'hidden_size'", "'wide'")
 
 
-def test_config_rope_scaling(tiny_model, variant, tmp_path):
-    folder = variant(config_json=tiny_config(tiny_model) | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+@pytest.mark.parametrize("key, value", [
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1000000}),  # transformers 5's form
+])
+def test_config_rope_scaling(tiny_model, variant, tmp_path, key, value):
+    folder = variant(config_json=tiny_config(tiny_model) | {key: value})
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "RoPE scaling")
 
 

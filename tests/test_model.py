@@ -13,13 +13,11 @@ import llm_inference as li
 from tests.checkpoint import TINY_CONFIG, write_checkpoint
 from tests.kernels import kernels
 
-CONFIGS = {  # name: (config overrides, number of weight files)
+CONFIGS = {  # name: (config overrides, number of weight files: 1 = model.safetensors, else shards)
     "tied": (TINY_CONFIG, 1),
-    "untied": (TINY_CONFIG | {"tie_word_embeddings": False}, 1),
-    "8q-2kv": (TINY_CONFIG | {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
-                              "num_hidden_layers": 3}, 1),
-    "sharded-tied": (TINY_CONFIG, 2),
-    "sharded-untied": (TINY_CONFIG | {"tie_word_embeddings": False}, 3),
+    "untied-3-shards": (TINY_CONFIG | {"tie_word_embeddings": False}, 3),
+    "8q-2kv-2-shards": (TINY_CONFIG | {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+                                       "num_hidden_layers": 3}, 2),
 }
 
 
