@@ -372,32 +372,50 @@ def forward(token_ids, weights, config, cache, last_only=True):
 
 class Sampling(NamedTuple):
     temperature: float = 0.0  # 0 = greedy: always the most likely token
-    top_k: int = 0  # keep the k most likely tokens (0 = all) ...
-    top_p: float = 1.0  # ... then the fewest of those whose probabilities add up to >= top_p
+    top_k: int = 0  # keep the k most likely tokens, and any tied with the k-th (0 = all) ...
+    top_p: float = 1.0  # ... then the fewest of those whose probabilities add up to >= top_p ...
+    min_p: float = 0.0  # ... then those at least min_p times as likely as the likeliest one
+    presence_penalty: float = 0.0  # subtracted from the logit of each token already in the reply
     seed: int = 0  # the random stream, so that a run can be repeated
 
 
-def sample(logits, sampling, key):
-    """Temperature 0 is greedy (argmax). Otherwise draw from softmax(logits / temperature), keeping
-    the top_k likeliest tokens, then the fewest of those whose renormalised probability reaches
-    top_p (the token crossing the threshold stays), as Hugging Face transformers does."""
-    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
-    if temperature == 0:
-        return mx.argmax(logits, axis=-1)
-    logits = logits.astype(mx.float32) / temperature  # < 1 sharpens the distribution, > 1 flattens
-    if top_k == 0 and top_p == 1:  # nothing to filter
-        return mx.random.categorical(logits, key=key)
-    if 0 < top_k < logits.shape[-1]:  # only the k largest can survive: sort those, not 151936
-        candidates = mx.argpartition(-logits, top_k - 1)[:top_k]
-    else:  # no top-k: sort the whole vocabulary (top-p needs the order)
-        candidates = mx.arange(logits.shape[-1])
-    order = candidates[mx.argsort(-logits[candidates])]  # token ids, likeliest first
-    sorted_logits = logits[order]
+def filter_logits(logits, sampling):
+    """Divide by the temperature, then set to -inf every token that top-k, top-p or min-p rules
+    out, in the order Hugging Face transformers applies them."""
+    logits = logits.astype(mx.float32) / sampling.temperature  # < 1 sharpens, > 1 flattens
+    top_k, top_p, min_p = sampling.top_k, sampling.top_p, sampling.min_p
+    if 0 < top_k < logits.shape[-1]:
+        # The k-th largest logit is the bar, and every token tied with it stays, as in transformers:
+        # in bfloat16, equal logits around rank 20 are common.
+        kth = mx.topk(logits, top_k).min()
+        logits = mx.where(logits >= kth, logits, -mx.inf)
     if top_p < 1:
-        probs = mx.softmax(sorted_logits)
-        # Keep a token if the tokens strictly likelier than it add up to less than top_p.
-        sorted_logits = mx.where(mx.cumsum(probs) - probs < top_p, sorted_logits, -mx.inf)
-    return order[mx.random.categorical(sorted_logits, key=key)]  # renormalises what is left
+        # Walk down from the likeliest token: a token stays if those before it add up to less than
+        # top_p (so the one crossing the threshold stays). Only the top_k candidates need sorting;
+        # without top-k, the whole vocabulary.
+        n = top_k if 0 < top_k < logits.shape[-1] else logits.shape[-1]
+        candidates = mx.argpartition(-logits, n - 1)[:n]
+        order = candidates[mx.argsort(-logits[candidates])]  # token ids, likeliest first
+        probs = mx.softmax(logits)[order]  # over every token still in, ties at the bar included
+        kept = mx.cumsum(probs) - probs < top_p
+        bar = mx.where(kept, logits[order], mx.inf).min()  # the least likely token that stays ...
+        logits = mx.where(logits >= bar, logits, -mx.inf)  # ... and every token tied with it
+    if min_p > 0:  # scales with the model's confidence: a strict cut when one token dominates
+        probs = mx.softmax(logits)
+        logits = mx.where(probs >= min_p * probs.max(), logits, -mx.inf)
+    return logits
+
+
+def sample(logits, sampling, key, in_reply=None):
+    """Temperature 0 is greedy (argmax). Otherwise draw from softmax(logits / temperature) over the
+    tokens filter_logits keeps. in_reply (vocab,) is 1 for each token already generated in this
+    reply: the presence penalty lowers their logits by a constant however often they occurred
+    (OpenAI's and vLLM's meaning), which counters the endless loops a small model can fall into."""
+    if sampling.presence_penalty:
+        logits = logits - sampling.presence_penalty * in_reply
+    if sampling.temperature == 0:
+        return mx.argmax(logits, axis=-1)
+    return mx.random.categorical(filter_logits(logits, sampling), key=key)  # renormalises
 
 
 # ------------------------------------------------------------------------------------------------
@@ -410,13 +428,16 @@ def sample(logits, sampling, key):
 PREFILL_CHUNK = 1024
 
 
-def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
+def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(), cache=None,
              use_cache=True):
     """Yield (token id, the logits it was drawn from) until an id in eos_ids (yielded too) or
-    max_tokens. use_cache=False recomputes the whole sequence at every step (an experiment)."""
-    cache, key = make_cache(config), mx.random.key(sampling.seed)
+    max_tokens. `cache` may already hold earlier tokens (a chat, section 13): prompt_ids then
+    continue them. use_cache=False recomputes the whole sequence at every step (an experiment)."""
+    cache = make_cache(config) if cache is None else cache
+    key = mx.random.key(sampling.seed)
     all_ids = mx.array(prompt_ids)  # the whole sequence; only the use_cache=False experiment
     #                                 reads it after the prefill
+    in_reply = mx.zeros(config.vocab_size)  # 1 for each token generated so far (presence penalty)
 
     def next_logits(new_ids):
         nonlocal all_ids
@@ -426,9 +447,12 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
         return forward(all_ids, weights, config, make_cache(config))  # everything, every time
 
     def next_token(logits):
-        nonlocal key
+        nonlocal key, in_reply
         key, sample_key = mx.random.split(key)
-        return sample(logits, sampling, sample_key)
+        token = sample(logits, sampling, sample_key, in_reply)
+        if sampling.presence_penalty:
+            in_reply = in_reply.at[token].maximum(1.0)
+        return token
 
     # Prefill: the prompt's tokens are all known, so they go through each layer together (large,
     # efficient matrix products), filling the cache and giving the first new token's logits.
@@ -475,6 +499,91 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 # Rebinding the names is enough: their callers look them up when they are called.
 queries_keys_values = mx.compile(queries_keys_values)
 swiglu = mx.compile(swiglu)
+
+
+# ------------------------------------------------------------------------------------------------
+# 13. Chat: one KV cache for a whole conversation
+# ------------------------------------------------------------------------------------------------
+#
+# At every turn, Qwen3's chat template (in tokenizer_config.json) renders the whole conversation
+# again, and the model reads all of it:
+#
+#   <|im_start|>system\n{system}<|im_end|>\n            (if there is one)
+#   <|im_start|>user\n{message}<|im_end|>\n
+#   <|im_start|>assistant\n{answer}<|im_end|>\n         (an earlier reply, without its thinking)
+#   ...
+#   <|im_start|>user\n{new message}<|im_end|>\n
+#   <|im_start|>assistant\n                             (+ <think>\n\n</think>\n\n for no thinking)
+#
+# Most of that is already in the cache from the turn before, so only the rest needs a prefill: the
+# cache keeps the longest prefix it shares with the new rendering and forgets what follows. That
+# costs nothing: setting `offset` back is enough, as new keys and values are written over the old.
+#
+# Why not just append? Because the template rewrites history. Once a new user message follows, a
+# reply's <think>...</think> reasoning is dropped: it has served its purpose, kept it would fill
+# the context, and Qwen3 was trained on conversations without it. The empty think block of a reply
+# made without thinking goes too. So each turn rolls back to the start of the last reply, then
+# prefills its answer and the new message; everything before is reused.
+#
+# Earlier replies enter the history as the token ids the model generated: tokenizing their text
+# again could give other ids for the same text (a different split into pieces), and the cache holds
+# the generated ones.
+
+class Chat:
+    """A conversation: its turns so far, and one KV cache that every turn reuses."""
+
+    def __init__(self, weights, config, tokenizer, system=None, think=True):
+        self.weights, self.config, self.tokenizer = weights, config, tokenizer
+        self.system, self.think = system, think
+        self.turns = []  # (user message, reply ids) per turn; the program may drop or clear them
+        self.cache = make_cache(config)
+        self.cached_ids = []  # the ids whose keys and values are in the cache, in order
+        self.reused = self.prefilled = 0  # the last turn's tokens taken from the cache / computed
+
+    def prompt_ids(self, message):
+        """The conversation so far plus a new message, as Qwen3's chat template renders them."""
+        tokens = lambda text: tokenize(self.tokenizer, text)
+        system = self.system
+        ids = tokens(f"<|im_start|>system\n{system}<|im_end|>\n") if system is not None else []
+        for user, reply in self.turns:
+            ids += tokens(chat_prompt(user))  # ...user\n{user}<|im_end|>\n<|im_start|>assistant\n
+            ids += self.answer(reply) + tokens("<|im_end|>\n")
+        return ids + tokens(chat_prompt(message, think=self.think))
+
+    def answer(self, reply):
+        """A reply as the template keeps it: what follows the last </think>, without the newlines
+        that start it. A reply without </think> (say, stopped while thinking) is kept whole."""
+        end_think = self.tokenizer.token_to_id("</think>")
+        if end_think not in reply:
+            return reply
+        answer = reply[len(reply) - reply[::-1].index(end_think):]
+        while answer and self.tokenizer.decode([answer[0]]).strip("\n") == "":
+            answer = answer[1:]
+        return answer
+
+    def reply(self, message, max_tokens, sampling=Sampling(), eos_ids=()):
+        """Yield (token id, logits) of the reply to `message`, like generate(). The reply joins the
+        history also when the caller stops early: then close() this generator."""
+        ids = self.prompt_ids(message)
+        self.reused = 0  # the prefix shared with the cache; the last id is always fed (the logits)
+        for cached, new in zip(self.cached_ids, ids[:-1]):
+            if cached != new:
+                break
+            self.reused += 1
+        for layer_cache in self.cache:
+            layer_cache.offset = self.reused  # the roll-back
+        self.prefilled, reply = len(ids) - self.reused, []
+        try:
+            for token_id, logits in generate(ids[self.reused:], self.weights, self.config,
+                                             max_tokens, sampling, eos_ids, self.cache):
+                if token_id not in eos_ids:  # the template closes each turn with <|im_end|>
+                    reply.append(token_id)
+                yield token_id, logits
+        finally:  # finished, stopped by the caller, or interrupted by Ctrl-C inside generate()
+            self.turns.append((message, reply))
+            # What the cache holds now: generate() may have fed one token more than it yielded,
+            # and a step interrupted midway may have reached only some layers.
+            self.cached_ids = (ids + reply)[:min(c.offset for c in self.cache)]
 
 
 # ================================================================================================
@@ -926,6 +1035,10 @@ def trace(prompt_ids, weights, config, tokenizer):
 # The command line: python llm_inference.py --prompt "..." [flags]
 # ------------------------------------------------------------------------------------------------
 
+DEFAULT_PROMPT = "The capital of France is"
+CHAT_MAX_TOKENS = 8192  # enough for Qwen3 to finish thinking on most questions (README, Chat)
+
+
 def device_name():
     if mx.default_device() != mx.gpu:
         return "cpu"
@@ -990,16 +1103,21 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def parse_args(argv):
     ap = ArgumentParser(prog="llm_inference.py", description="Generate text with Qwen3 on MLX.")
-    ap.add_argument("--prompt", default="The capital of France is",
-                    help="the text to continue ('-' reads stdin)")
-    ap.add_argument("--max-tokens", type=number(int, 1), default=100,
-                    help="stop after this many new tokens (100)")
+    ap.add_argument("--prompt", help="the text to continue ('-' reads stdin; default: "
+                    f"{DEFAULT_PROMPT!r}); with --chat, one message and its reply")
+    ap.add_argument("--max-tokens", type=number(int, 1),
+                    help=f"stop after this many new tokens (100; {CHAT_MAX_TOKENS} with --chat, at "
+                    "most half the context)")
     ap.add_argument("--temperature", type=number(float, 0),
-                    help="0 = greedy (default; 0.6 with --chat)")
+                    help="0 = greedy (default; with --chat 0.6, or 0.7 with --no-think)")
     ap.add_argument("--top-p", type=number(float, 0, 1, low_open=True),
-                    help="nucleus sampling mass (0.95)")
+                    help="nucleus sampling mass (generation_config.json's; 0.8 with --no-think)")
     ap.add_argument("--top-k", type=number(int, 0),
-                    help="keep only the k most likely tokens, 0 = all (0; 20 with --chat)")
+                    help="keep only the k most likely tokens, 0 = all (generation_config.json's)")
+    ap.add_argument("--min-p", type=number(float, 0, 1),
+                    help="keep tokens at least this fraction as likely as the likeliest (0)")
+    ap.add_argument("--presence-penalty", type=number(float, 0, 2),
+                    help="lower the logit of tokens already in the reply, against repetition (0)")
     ap.add_argument("--seed", type=number(int, 0, 2**64 - 1),
                     help="random seed for sampling (default: a fresh one)")
     ap.add_argument("--model",
@@ -1008,10 +1126,13 @@ def parse_args(argv):
                     "(default: ./Qwen3-0.6B, else the one next to this script)")
     ap.add_argument("--no-download", action="store_true",
                     help="never download the model, fail instead")
-    ap.add_argument("--chat", action="store_true", help="wrap the prompt in Qwen3's chat format")
+    ap.add_argument("--chat", action="store_true",
+                    help="talk with the model in Qwen3's chat format (README, Chat)")
     ap.add_argument("--system", help="system message for --chat")
     ap.add_argument("--no-think", action="store_true",
                     help="with --chat: skip Qwen3's <think> reasoning")
+    ap.add_argument("--hide-think", action="store_true",
+                    help="with --chat: show a progress line instead of the reasoning")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                     help="auto = bfloat16 on a GPU, float32 on the CPU")
     lab = ap.add_argument_group("experiments (README, Experiments)")
@@ -1026,28 +1147,215 @@ def parse_args(argv):
     lab.add_argument("--reference-ops", action="store_true",
                      help="run the hand-written RMSNorm/RoPE/attention, not MLX's fused kernels")
     args = ap.parse_args(argv)
-    if (args.system is not None or args.no_think) and not args.chat:
-        ap.error("--system and --no-think only apply with --chat")
+    if (args.system is not None or args.no_think or args.hide_think) and not args.chat:
+        ap.error("--system, --no-think and --hide-think only apply with --chat")
+    if args.chat and args.prompt is None:
+        for flag, given in (("--top-probs", args.top_probs), ("--trace", args.trace),
+                            ("--no-cache", args.no_cache)):
+            if given:
+                ap.error(f"{flag} needs a single message: add --prompt to --chat")
     return args
 
 
+# Qwen's recommended sampling (model card). Thinking mode's values are also in
+# generation_config.json; a model's file wins over them.
+QWEN3_THINKING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
+QWEN3_NO_THINK = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
+# What transformers' generate() falls back on for a value generation_config.json lacks.
+TRANSFORMERS_DEFAULTS = {"top_p": 1.0, "top_k": 50, "min_p": 0.0}
+
+
 def sampling_settings(args, generation_config):
-    """Explicit flags win; with --chat, the model's generation_config.json fills the rest (Qwen3:
-    0.6, 0.95, 20); plain completion defaults to greedy decoding, the likeliest token every time."""
-    recommended = generation_config if args.chat else {}
-    given = lambda flag, name, default: flag if flag is not None else recommended.get(name, default)
-    temperature = given(args.temperature, "temperature", 0.0)
-    top_p = given(args.top_p, "top_p", 0.95)
-    top_k = given(args.top_k, "top_k", 0)
+    """Explicit flags win. --chat then takes Qwen's recommendations: generation_config.json's
+    values in thinking mode, the model card's for --no-think. Plain completion is greedy unless
+    --temperature is given; its top-k/top-p/min-p then come from generation_config.json, as in
+    transformers."""
+    if args.chat and args.no_think:
+        recommended = QWEN3_NO_THINK
+    elif args.chat:
+        recommended = QWEN3_THINKING | generation_config
+    else:
+        recommended = TRANSFORMERS_DEFAULTS | generation_config | {"temperature": 0.0}
+    given = lambda flag, name: flag if flag is not None else recommended.get(name, 0.0)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    return Sampling(float(temperature), int(top_k), float(top_p), seed)
+    return Sampling(temperature=float(given(args.temperature, "temperature")),
+                    top_k=int(given(args.top_k, "top_k")), top_p=float(given(args.top_p, "top_p")),
+                    min_p=float(given(args.min_p, "min_p")),
+                    presence_penalty=args.presence_penalty or 0.0, seed=seed)
+
+
+def describe(sampling):
+    if sampling.temperature == 0:
+        how = "greedy"
+    else:
+        how = (f"temperature {sampling.temperature}, top-p {sampling.top_p}, "
+               f"top-k {sampling.top_k}, seed {sampling.seed}")
+        how += f", min-p {sampling.min_p}" if sampling.min_p else ""
+    if sampling.presence_penalty:
+        how += f", presence penalty {sampling.presence_penalty}"
+    return how
+
+
+# ------------------------------------------------------------------------------------------------
+# Showing a reply, and the chat loop
+# ------------------------------------------------------------------------------------------------
+
+class ReplyPrinter:
+    """Writes a reply to stdout as its tokens arrive. On a terminal, Qwen3's <think>...</think>
+    reasoning is dimmed; hide_think shows a "thinking... (N tokens)" line instead, on stderr.
+    Elsewhere (a pipe, a file) the text is written as it is, without colour codes."""
+
+    DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+
+    def __init__(self, tokenizer, hide_think):
+        self.tokenizer, self.hide_think = tokenizer, hide_think
+        self.think_ids = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+        self.colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ  # no-color.org
+        self.progress = sys.stderr.isatty()
+        # DecodeStream holds back the bytes of a character split across tokens (emoji, CJK) until
+        # it is complete: nothing prints as garbage.
+        self.stream = DecodeStream(skip_special_tokens=True)
+        self.thinking, self.n_thinking, self.n_tokens = False, 0, 0
+        self.answer_started = False  # for hide_think: the newlines after </think> are dropped
+
+    def add(self, token_id):
+        self.n_tokens += 1
+        piece = self.stream.step(self.tokenizer, token_id) or ""
+        start, end = self.think_ids
+        if token_id == start and not self.thinking:
+            self.thinking = True
+            piece = "" if self.hide_think else (self.DIM if self.colour else "") + piece
+        elif token_id == end and self.thinking:
+            self.thinking = False
+            if self.hide_think:
+                piece = ""
+                self.clear_progress()
+            elif self.colour:
+                piece += self.PLAIN
+        elif self.thinking:
+            self.n_thinking += 1
+            if self.hide_think:
+                piece = ""
+                if self.progress:
+                    sys.stderr.write(f"\rthinking… ({self.n_thinking} tokens)")
+                    sys.stderr.flush()
+        elif self.hide_think and not self.answer_started:
+            piece = piece.lstrip("\n")
+            self.answer_started = bool(piece)
+        if piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    def clear_progress(self):
+        if self.progress and self.n_thinking:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+    def finish(self):
+        """End the reply's line, restoring the colour if it stopped while thinking."""
+        if self.thinking and self.colour and not self.hide_think:
+            sys.stdout.write(self.PLAIN)
+        if self.thinking and self.hide_think:
+            self.clear_progress()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def read_message(interactive):
+    """The next line of input, or None at the end. On a terminal, input() has line editing and
+    history (readline, imported by chat_loop)."""
+    if interactive:
+        try:
+            text = input(">>> ")
+        except EOFError:  # Ctrl-D
+            print(file=sys.stderr)
+            return None
+    else:
+        line = sys.stdin.buffer.readline()
+        if not line:
+            return None
+        text = line.decode("utf-8", "surrogateescape").rstrip("\r\n")
+    return checked_text(text, "the message")
+
+
+def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think):
+    """Talk until end of input, Ctrl-D or /exit. Each line is one message; its reply goes to
+    stdout, everything else to stderr. Ctrl-C stops a reply (it stays in the history)."""
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401 (importing it is what gives input() editing and history)
+        except ImportError:  # not on every platform; input() still works without
+            pass
+    context, turn = chat.config.max_position_embeddings, 0
+    while True:
+        try:
+            message = read_message(interactive)
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, as in Python's REPL
+            print(file=sys.stderr)
+            continue
+        except UserError as e:
+            print(f"error: {e}; skipped", file=sys.stderr)
+            continue
+        if message is None or message.strip() == "/exit":
+            return
+        if message.strip() == "/reset":
+            chat.turns.clear()  # the cache rolls back by itself at the next turn
+            turn = 0
+            print("(conversation reset)", file=sys.stderr)
+            continue
+        if not message.strip():
+            continue
+        # Each turn must leave room for a whole reply: forget the oldest turns if needed.
+        dropped = 0
+        while len(chat.prompt_ids(message)) + max_tokens > context and chat.turns:
+            del chat.turns[0]
+            dropped += 1
+        n_prompt = len(chat.prompt_ids(message))
+        if n_prompt + max_tokens > context:
+            print(f"error: this message makes a {n_prompt}-token prompt; with --max-tokens "
+                  f"{max_tokens} that exceeds the model's {context}-token context: shorten it",
+                  file=sys.stderr)
+            continue
+        if dropped:
+            print(f"(the conversation outgrew the {context}-token context: forgot the oldest "
+                  f"{dropped} turn{'s' if dropped > 1 else ''})", file=sys.stderr)
+        turn += 1
+        printer = ReplyPrinter(chat.tokenizer, hide_think)
+        replies = chat.reply(message, max_tokens, sampling, eos_ids)
+        start = first = time.perf_counter()
+        interrupted = False
+        try:
+            for token_id, _ in replies:
+                if printer.n_tokens == 0:
+                    first = time.perf_counter()
+                printer.add(token_id)  # <|im_end|> prints nothing, and counts as in --prompt
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            replies.close()  # the (partial) reply joins the history
+        end = time.perf_counter()
+        printer.finish()
+        n = len(chat.turns[-1][1])  # the reply as the history keeps it (without <|im_end|>)
+        prefill = chat.prefilled / (first - start) if n else 0.0
+        decode = (n - 1) / (end - first) if n > 1 else 0.0
+        thinking = f", {printer.n_thinking} thinking" if printer.n_thinking else ""
+        print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: "
+              f"{chat.reused} tokens reused from the cache, {chat.prefilled} prefilled at "
+              f"{prefill:.1f} tok/s | Reply: {n} tokens{thinking}, {decode:.1f} tok/s",
+              file=sys.stderr)
 
 
 def main(argv=None):
     global FUSED_KERNELS
     args = parse_args(argv)
-    prompt = read_prompt(args.prompt)
+    interactive_chat = args.chat and args.prompt is None
+    prompt = None if interactive_chat else read_prompt(
+        DEFAULT_PROMPT if args.prompt is None else args.prompt)
     system = checked_text(args.system, "--system") if args.system is not None else None
+    if args.chat and args.temperature == 0:
+        print("warning: Qwen advises against greedy decoding (--temperature 0) in chat: in "
+              "thinking mode it leads to endless repetition", file=sys.stderr)
     model_dir = find_model(args.model, allow_download=not args.no_download)
     if args.chat:
         check_chat_template(model_dir)
@@ -1055,17 +1363,19 @@ def main(argv=None):
     config, weights, tokenizer, generation_config = load_model(model_dir, dtype)
     eos_ids = eos_token_ids(generation_config, tokenizer)
     sampling = sampling_settings(args, generation_config)
+    context = config.max_position_embeddings
+    max_tokens = args.max_tokens or (min(CHAT_MAX_TOKENS, context // 2) if args.chat else 100)
     FUSED_KERNELS = not args.reference_ops  # set once, before anything runs or is compiled
     if args.no_compile:
         mx.disable_compile()
 
-    text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
-    prompt_ids = tokenize(tokenizer, text)
-    if len(prompt_ids) + args.max_tokens > config.max_position_embeddings:
-        raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens "
-                        f"{args.max_tokens} that exceeds the model's "
-                        f"{config.max_position_embeddings}-token context: "
-                        "shorten it or lower --max-tokens")
+    if not interactive_chat:
+        text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
+        prompt_ids = tokenize(tokenizer, text)
+        if len(prompt_ids) + max_tokens > context:
+            raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens "
+                            f"{max_tokens} that exceeds the model's {context}-token context: "
+                            "shorten it or lower --max-tokens")
 
     c = config
     print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
@@ -1074,37 +1384,33 @@ def main(argv=None):
     if c.tie_word_embeddings and weights["lm_head"] is not weights["embed_tokens"]:
         print("Note: config.json ties the LM head to the embeddings, but the checkpoint stores a "
               "different lm_head.weight; using it, as transformers does", file=sys.stderr)
-    if sampling.temperature == 0:
-        how = "greedy"
-    else:
-        how = (f"temperature {sampling.temperature}, top-p {sampling.top_p}, "
-               f"top-k {sampling.top_k}, seed {sampling.seed}")
-    print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {how}", file=sys.stderr)
+    if interactive_chat:
+        print(f"Chat: {describe(sampling)}, up to {max_tokens} tokens per reply. /reset starts "
+              "over; /exit or Ctrl-D ends; Ctrl-C stops a reply.", file=sys.stderr)
+        chat = Chat(weights, config, tokenizer, system, think=not args.no_think)
+        chat_loop(chat, max_tokens, sampling, eos_ids, args.hide_think)
+        return 0
+
+    print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {describe(sampling)}", file=sys.stderr)
     if args.trace:
         trace(prompt_ids, weights, config, tokenizer)
         return 0
 
-    # Stream: print each piece as soon as it is decoded. DecodeStream holds back the bytes of a
-    # character split across tokens (emoji, CJK) until it is complete: nothing prints as garbage.
-    stream, n_generated, interrupted = DecodeStream(skip_special_tokens=True), 0, False
+    printer, interrupted = ReplyPrinter(tokenizer, args.hide_think), False
     start = first = time.perf_counter()
     try:
-        for token_id, logits in generate(prompt_ids, weights, config, args.max_tokens, sampling,
+        for token_id, logits in generate(prompt_ids, weights, config, max_tokens, sampling,
                                          eos_ids, use_cache=not args.no_cache):
-            if n_generated == 0:
+            if printer.n_tokens == 0:
                 first = time.perf_counter()  # prefill done: time to first token
                 if args.top_probs:  # the very logits the first token was sampled from
                     print_top_probs(logits, tokenizer, args.top_probs)
-            n_generated += 1
-            piece = stream.step(tokenizer, token_id)
-            if piece:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+            printer.add(token_id)
     except KeyboardInterrupt:
         interrupted = True
     end = time.perf_counter()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    printer.finish()
+    n_generated = printer.n_tokens
     prefill_rate = len(prompt_ids) / (first - start) if n_generated else 0.0
     decode_rate = (n_generated - 1) / (end - first) if n_generated > 1 else 0.0
     print(f"{'Interrupted. ' if interrupted else ''}Prompt: {len(prompt_ids)} tokens, "

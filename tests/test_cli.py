@@ -115,7 +115,7 @@ class Reference:
         return self.tokenizer.encode(text).ids
 
     def generate(self, text, max_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0):
-        sampling = li.Sampling(temperature, top_k, top_p, seed)
+        sampling = li.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         return [t for t, _ in li.generate(self.ids(text), self.weights, self.config, max_tokens, sampling,
                                           self.eos_ids)]
 
@@ -225,26 +225,26 @@ def test_chat_no_think_with_system(tiny_model, reference, tmp_path):
     text, lines, n_prompt, n_generated = parse_success(
         run_cli("--model", tiny_model, "--max-tokens", 16, "--chat", "--no-think", "--system", system,
                 "--prompt", user, "--seed", 7, cwd=tmp_path))
-    # --chat takes Qwen3's recommended sampling from generation_config.json: 0.6 / 0.95 / top-k 20.
-    assert lines[1] == f"Prompt: {user!r} ({len(reference.ids(chat))} tokens), temperature 0.6, top-p 0.95, top-k 20, seed 7"
-    expected = reference.generate(chat, 16, temperature=0.6, top_k=20, top_p=0.95, seed=7)
+    # --chat --no-think takes Qwen3's recommended non-thinking sampling: 0.7 / 0.8 / top-k 20.
+    assert lines[1] == f"Prompt: {user!r} ({len(reference.ids(chat))} tokens), temperature 0.7, top-p 0.8, top-k 20, seed 7"
+    expected = reference.generate(chat, 16, temperature=0.7, top_k=20, top_p=0.8, seed=7)
     assert n_prompt == len(reference.ids(chat))
     assert n_generated == len(expected)
     assert text == reference.tokenizer.decode(expected, skip_special_tokens=True)
 
 
 def test_sampling_is_reproducible_per_seed(tiny_model, reference, tmp_path):
-    # 12 tokens: with top-k 0 every step sorts all 151936 probabilities, the slowest part on a CPU.
+    # top-k and top-p come from generation_config.json (20, 0.95), as in transformers.
     def sample(seed):
         text, lines, _, n_generated = parse_success(
             run_cli("--model", tiny_model, "--max-tokens", 12, "--temperature", 0.8, "--seed", seed, cwd=tmp_path))
-        assert lines[1].endswith(f"temperature 0.8, top-p 0.95, top-k 0, seed {seed}")
+        assert lines[1].endswith(f"temperature 0.8, top-p 0.95, top-k 20, seed {seed}")
         return text
 
     first, again, other = sample(3), sample(3), sample(4)
     assert first == again
     assert first != other
-    assert first == reference.text(PROMPT, 12, temperature=0.8, top_k=0, top_p=0.95, seed=3)
+    assert first == reference.text(PROMPT, 12, temperature=0.8, top_k=20, top_p=0.95, seed=3)
 
 
 def test_reference_ops_give_the_same_greedy_text(tiny_model, greedy_24, tmp_path):
@@ -321,8 +321,9 @@ def test_null_generation_config_values_are_unset(tiny_model, variant, tmp_path):
     folder = variant(generation_config_json={"temperature": None, "top_p": None, "top_k": None,
                                              "eos_token_id": None})
     _, lines, _, _ = parse_success(run_cli("--model", folder, "--chat", "--prompt", "Hi", "--max-tokens", 3,
-                                           cwd=tmp_path))
-    assert lines[1].endswith("greedy")  # no recommended temperature: plain greedy decoding
+                                           "--seed", 1, cwd=tmp_path))
+    # Unset: Qwen's recommendations for thinking mode (model card) apply.
+    assert lines[1].endswith("temperature 0.6, top-p 0.95, top-k 20, seed 1")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -433,7 +434,7 @@ def test_chat_accepts_the_hybrid_template_as_jinja_file(tiny_model, variant, ref
     folder = variant(tokenizer_config_json=tokenizer_config(tiny_model, None))
     hybrid = json.loads((tiny_model / "tokenizer_config.json").read_text())["chat_template"]
     (folder / "chat_template.jinja").write_text(hybrid)
-    parse_success(run_cli("--model", folder, "--chat", "--max-tokens", 2, cwd=tmp_path))
+    parse_success(run_cli("--model", folder, "--chat", "--prompt", "Hi", "--max-tokens", 2, cwd=tmp_path))
 
 
 def test_chat_template_file_unreadable(variant, tmp_path):

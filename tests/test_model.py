@@ -143,7 +143,7 @@ def test_tokenize_and_chat_tokens(checkpoint):
 def test_seeded_sampling_reproduces(checkpoint):
     folder, config, weights, tokenizer = checkpoint
     ids = tokenizer.encode(PROMPT).ids
-    run = lambda seed: tokens(li.generate(ids, weights, config, 16, li.Sampling(1.0, 50, 0.95, seed)))
+    run = lambda seed: tokens(li.generate(ids, weights, config, 16, li.Sampling(temperature=1.0, top_k=50, top_p=0.95, seed=seed)))
     assert run(3) == run(3)
     assert run(3) != run(4)
 
