@@ -772,12 +772,11 @@ def weight_bytes(config, dtype):
 
 
 def memory_size():
-    """The memory the weights must fit in: a Mac's unified memory, which its GPU shares, as MLX
-    reports it; elsewhere the machine's RAM."""
-    info = mx.device_info()
-    if "memory_size" in info:
-        return info["memory_size"]
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """The memory the weights must fit in: on a GPU, its memory as MLX reports it (on a Mac, the
+    unified memory the GPU shares with the CPU; on CUDA, the card's); on the CPU, the RAM."""
+    info = mx.device_info() if mx.default_device() == mx.gpu else {}
+    size = info.get("memory_size") or info.get("total_memory")  # Metal's key, CUDA's key
+    return size or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_memory(needed, available, dtype):

@@ -253,8 +253,10 @@ def test_memory_check_refuses_only_what_does_not_fit():
         li.check_memory(16.4e9, 8e9, mx.float32)
 
 
-def test_memory_size_is_this_machines_ram():
-    if sys.platform == "darwin":
+def test_memory_size_is_this_machines_memory():
+    if mx.default_device() == mx.gpu and not mx.metal.is_available():  # CUDA: the card's own memory
+        total = mx.device_info()["total_memory"]
+    elif sys.platform == "darwin":  # unified memory: the GPU's is the machine's
         total = int(subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True).stdout)
     else:
         with open("/proc/meminfo") as f:  # Linux's own count, in KiB, independent of os.sysconf
