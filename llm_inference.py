@@ -663,34 +663,22 @@ def weight_shapes(config):
     return shapes
 
 
-def checked_shard_names(index):
-    """The shard files a sharded checkpoint's model.safetensors.index.json names."""
+def checked_weight_files(model_dir):
+    """Part 1's weight_files(), with a damaged model.safetensors.index.json as one line. The files
+    are not checked: when downloading, the index arrives before the shards it names."""
+    model_dir = Path(model_dir)
+    index = model_dir / WEIGHTS_INDEX
     try:
-        shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        files = weight_files(model_dir)
     except OSError as e:
         raise UserError(f"cannot read {index}: {e.strerror or e}")
     except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, AttributeError):
-        shards = None
+        files = []
     # Plain names of files beside the index: a path such as "../x" would read outside the folder.
-    if not shards or not all(isinstance(name, str) and Path(name).name == name for name in shards):
+    if not files or any(path.parent != model_dir for path in files):
         raise UserError(f"{index} is not a valid index of shards (a JSON object whose "
                         "'weight_map' names a file for each tensor); re-download it")
-    return sorted(shards)
-
-
-def checked_weight_files(model_dir):
-    """Part 1's weight_files(), after checking a sharded checkpoint's index and that every shard it
-    names is there."""
-    model_dir = Path(model_dir)
-    index = model_dir / WEIGHTS_INDEX
-    if (model_dir / "model.safetensors").exists() or not index.exists():
-        return weight_files(model_dir)
-    shards = checked_shard_names(index)
-    missing = [name for name in shards if not (model_dir / name).is_file()]
-    if missing:
-        raise UserError(f"{model_dir} lacks {missing[0]}, one of the {len(shards)} shards named in "
-                        f"{WEIGHTS_INDEX} ({len(missing)} missing); re-download it")
-    return weight_files(model_dir)
+    return files
 
 
 def read_header(path):
@@ -717,6 +705,10 @@ def check_weights(model_dir, config):
     """Read the weight files' headers and check that every tensor Part 1 needs is there, with its
     shape and a dtype it reads, inside its file (no weight is read)."""
     files = checked_weight_files(model_dir)
+    missing = [path.name for path in files if not path.is_file()]
+    if missing:
+        raise UserError(f"{model_dir} lacks {missing[0]}, one of the {len(files)} shards named in "
+                        f"{WEIGHTS_INDEX} ({len(missing)} missing); re-download it")
     found = {}  # tensor name -> (file, its header entry, where the file's tensor bytes start, size)
     for path in files:
         header, start, size = read_header(path)
@@ -861,6 +853,13 @@ def download_command(repo, model_dir):
     return f"hf download {repo}{files} --local-dir {model_dir}"
 
 
+def missing_files(names):
+    """The NEEDED_FILES not among the file names given (a folder's, or a repo's); a sharded
+    checkpoint's index stands in for model.safetensors (check_weights then checks its shards)."""
+    return [name for name in NEEDED_FILES if name not in names
+            and not (name == "model.safetensors" and WEIGHTS_INDEX in names)]
+
+
 def download_model(repo, model_dir):
     """Fetch the files Part 1 reads from a Hugging Face repo into model_dir, all or nothing.
 
@@ -871,24 +870,22 @@ def download_model(repo, model_dir):
 
     model_dir = Path(model_dir)
     staging = None
-    fetch = lambda name: huggingface_hub.hf_hub_download(repo, name, local_dir=staging)
     try:
         info = huggingface_hub.HfApi().model_info(repo, files_metadata=True)
         sizes = {s.rfilename: s.size or 0 for s in info.siblings}  # every file in the repo
-        lacking = [name for name in NEEDED_FILES if name not in sizes]
-        if lacking == ["model.safetensors"] and WEIGHTS_INDEX in sizes:
-            lacking = []  # sharded: the index names the shards
+        lacking = missing_files(sizes)
         if lacking:
             raise UserError(f"{repo} has no {', '.join(lacking)}: it is not a Qwen3 checkpoint "
                             "in Hugging Face's safetensors layout")
         root = next(folder for folder in model_dir.parents if folder.is_dir())
         staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.download-", dir=root))
+        fetch = lambda name: huggingface_hub.hf_hub_download(repo, name, local_dir=staging)
         fetch("config.json")
         check_config(staging)  # refuse a model this script does not run before fetching gigabytes
         names = [name for name in (*MODEL_FILES, "chat_template.jinja") if name in sizes]
         if "model.safetensors" not in sizes:
             fetch(WEIGHTS_INDEX)
-            names += [WEIGHTS_INDEX, *checked_shard_names(staging / WEIGHTS_INDEX)]
+            names += [WEIGHTS_INDEX, *(path.name for path in checked_weight_files(staging))]
         print(f"Downloading {repo} ({len(names)} files, "
               f"{sum(sizes.get(name, 0) for name in names) / 1e9:.2f} GB) into {model_dir}/",
               file=sys.stderr)
@@ -909,14 +906,6 @@ def download_model(repo, model_dir):
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def missing_files(model_dir):
-    """The NEEDED_FILES model_dir lacks; a sharded checkpoint's index stands in for
-    model.safetensors (check_weights then checks its shards)."""
-    sharded = (model_dir / WEIGHTS_INDEX).is_file()
-    return [name for name in NEEDED_FILES if not (model_dir / name).is_file()
-            and not (name == "model.safetensors" and sharded)]
-
-
 def find_model(model_arg, allow_download):
     """The model folder to use. --model is a folder when that path exists or is no repo id; it is
     never downloaded into, as it may hold another model. A repo id (the default: Qwen/Qwen3-0.6B)
@@ -926,7 +915,8 @@ def find_model(model_arg, allow_download):
     else:
         repo = model_arg or HF_REPO
         model_dir = repo_dir(repo) if model_arg else default_model_dir()
-    missing = missing_files(model_dir)
+    present = {name for name in (*NEEDED_FILES, WEIGHTS_INDEX) if (model_dir / name).is_file()}
+    missing = missing_files(present)
     if not missing:
         return model_dir
     if model_dir.is_dir():
