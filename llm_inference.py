@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -44,7 +45,7 @@ from tokenizers.decoders import DecodeStream
 # ================================================================================================
 
 # ------------------------------------------------------------------------------------------------
-# 1. Load: the hyper-parameters from config.json, the weights from model.safetensors
+# 1. Load: the hyper-parameters from config.json, the weights from *.safetensors
 # ------------------------------------------------------------------------------------------------
 
 class Config(NamedTuple):  # a NamedTuple: mx.compile accepts it as an argument (section 12)
@@ -86,9 +87,21 @@ LAYER_TENSORS = {
 }
 
 
+def weight_files(model_dir):
+    """model.safetensors, or, for larger models split into shards, the files listed in
+    model.safetensors.index.json: {"weight_map": {name: "model-00001-of-00002.safetensors"}}."""
+    model_dir = Path(model_dir)
+    if (model_dir / "model.safetensors").exists():  # the single file first, as transformers does
+        return [model_dir / "model.safetensors"]
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text(encoding="utf-8"))
+    return [model_dir / name for name in sorted(set(index["weight_map"].values()))]
+
+
 def load_weights(model_dir, config, dtype):
     """{"embed_tokens", "layers": [{"q_proj": ..., ...} x 28], "norm", "lm_head"}, as `dtype`."""
-    tensors = mx.load(str(Path(model_dir) / "model.safetensors"))  # lazy: nothing read yet
+    tensors = {}  # every tensor of every file, by name; lazy: nothing read yet
+    for path in weight_files(model_dir):
+        tensors |= mx.load(str(path))
 
     # Read and convert one tensor at a time, so the file's bfloat16 copy of everything never sits
     # beside the converted weights (in float32 that would peak at 1.5x the weights).
@@ -100,8 +113,14 @@ def load_weights(model_dir, config, dtype):
     layers = [{short: tensor(f"model.layers.{i}.{name}") for short, name in LAYER_TENSORS.items()}
               for i in range(config.num_hidden_layers)]
     embed_tokens = tensor("model.embed_tokens.weight")  # (151936, 1024)
-    # Tied embeddings: the LM head *is* the embedding table (the same array: 311 MB not copied).
-    lm_head = embed_tokens if config.tie_word_embeddings else tensor("lm_head.weight")
+    # The LM head (section 9). Tied checkpoints (Qwen3-0.6B to 4B) reuse the embedding table: the
+    # same array, 311 MB not copied. Untied ones (8B and up) store lm_head.weight. A tied one may
+    # store it too: a copy, dropped, or a different matrix, which transformers 5 uses; so do we.
+    lm_head = embed_tokens
+    if "lm_head.weight" in tensors:
+        head = tensor("lm_head.weight")  # (151936, 1024)
+        if not config.tie_word_embeddings or not mx.array_equal(head, embed_tokens).item():
+            lm_head = head
     return {"embed_tokens": embed_tokens, "layers": layers, "norm": tensor("model.norm.weight"),
             "lm_head": lm_head}
 
@@ -589,6 +608,7 @@ HF_REPO = "Qwen/Qwen3-0.6B"
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json")
 NEEDED_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # the other two are optional
+WEIGHTS_INDEX = "model.safetensors.index.json"  # stands in for model.safetensors when sharded
 
 
 class UserError(Exception):
@@ -609,8 +629,11 @@ def check_config(model_dir):
         raise UserError(f"{path} is not UTF-8 text; re-download it")
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON ({e}); re-download it")
-    if not isinstance(raw, dict) or raw.get("model_type") != "qwen3":
-        found = raw.get("model_type") if isinstance(raw, dict) else None
+    found = raw.get("model_type") if isinstance(raw, dict) else None
+    if found == "qwen3_moe":
+        raise UserError(f"{path} describes a mixture-of-experts model (model_type 'qwen3_moe'), "
+                        "which this script does not implement; use a dense Qwen3 model")
+    if found != "qwen3":
         raise UserError(f"{path} is not a Qwen3 config (model_type is {found!r}, expected 'qwen3')")
     rope = raw.get("rope_parameters") or {}
     unsupported = {  # variants Part 1 does not implement: refuse them rather than run them wrong
@@ -654,11 +677,27 @@ def weight_shapes(config):
     return shapes
 
 
-def check_weights(model_dir, config):
-    """Read model.safetensors' header (a length, then JSON: name -> dtype, shape, byte range) and
-    check that every tensor Part 1 needs is there, with its shape, inside the file (no weight is
-    read)."""
-    path = Path(model_dir) / "model.safetensors"
+def checked_weight_files(model_dir):
+    """Part 1's weight_files(), with a damaged model.safetensors.index.json as one line. The files
+    are not checked: when downloading, the index arrives before the shards it names."""
+    model_dir = Path(model_dir)
+    index = model_dir / WEIGHTS_INDEX
+    try:
+        files = weight_files(model_dir)
+    except OSError as e:
+        raise UserError(f"cannot read {index}: {e.strerror or e}")
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, AttributeError):
+        files = []
+    # Plain names of files beside the index: a path such as "../x" would read outside the folder.
+    if not files or any(path.parent != model_dir for path in files):
+        raise UserError(f"{index} is not a valid index of shards (a JSON object whose "
+                        "'weight_map' names a file for each tensor); re-download it")
+    return files
+
+
+def read_header(path):
+    """A safetensors file starts with a length, then JSON: tensor name -> dtype, shape, byte range
+    after the header. Returns (header, where the tensor bytes start, the file's size)."""
     try:
         with path.open("rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -673,10 +712,29 @@ def check_weights(model_dir, config):
     if not isinstance(header, dict):
         raise UserError(f"{path} is not a readable safetensors file (no valid header); "
                         "re-download it")
-    for name, shape in weight_shapes(config).items():
-        entry = header.get(name)
-        if not isinstance(entry, dict):
-            raise UserError(f"{path} lacks the tensor {name!r}")
+    return header, 8 + header_size, size
+
+
+def check_weights(model_dir, config):
+    """Read the weight files' headers and check that every tensor Part 1 needs is there, with its
+    shape and a dtype it reads, inside its file (no weight is read)."""
+    files = checked_weight_files(model_dir)
+    missing = [path.name for path in files if not path.is_file()]
+    if missing:
+        raise UserError(f"{model_dir} lacks {missing[0]}, one of the {len(files)} shards named in "
+                        f"{WEIGHTS_INDEX} ({len(missing)} missing); re-download it")
+    found = {}  # tensor name -> (file, its header entry, where the file's tensor bytes start, size)
+    for path in files:
+        header, start, size = read_header(path)
+        found |= {name: (path, entry, start, size) for name, entry in header.items()}
+    expected = weight_shapes(config)
+    if "lm_head.weight" in found:  # a tied checkpoint's extra head is loaded too (section 1)
+        expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    for name, shape in expected.items():
+        if name not in found or not isinstance(found[name][1], dict):
+            where = files[0] if len(files) == 1 else f"the sharded checkpoint {model_dir}"
+            raise UserError(f"{where} lacks the tensor {name!r}")
+        path, entry, start, size = found[name]
         stored, offsets = entry.get("shape"), entry.get("data_offsets")
         if not isinstance(stored, list) or not isinstance(offsets, list) or len(offsets) != 2:
             raise UserError(f"{path} is damaged (a malformed header entry for {name!r}); "
@@ -686,9 +744,56 @@ def check_weights(model_dir, config):
         if entry.get("dtype") not in ("BF16", "F16", "F32"):
             raise UserError(f"{path}: tensor {name!r} is stored as {entry.get('dtype')}, "
                             "expected BF16, F16 or F32")
-        if not isinstance(offsets[1], int) or 8 + header_size + offsets[1] > size:
+        if not isinstance(offsets[1], int) or start + offsets[1] > size:
             raise UserError(f"{path} is damaged (it ends inside tensor {name!r}: an interrupted "
                             "download?); re-download it")
+
+
+def check_chat_template(model_dir):
+    """--chat writes Qwen3's hybrid-thinking format by hand (section 2). Qwen3-2507 Instruct (never
+    thinks) and Thinking (always thinks) were trained on other formats: their templates, unlike the
+    hybrid one, have no enable_thinking switch. A folder without a template is given the benefit."""
+    model_dir = Path(model_dir)
+    path = model_dir / "chat_template.jinja"  # newer checkpoints keep the template in its own file
+    try:
+        if path.is_file():
+            template = path.read_text(encoding="utf-8")
+        else:
+            path = model_dir / "tokenizer_config.json"
+            config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+            template = config.get("chat_template") or ""
+            if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+                template = "".join(t.get("template", "") for t in template
+                                   if t.get("name") == "default")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise UserError(f"cannot read {path} ({e}); re-download it")
+    if template and "enable_thinking" not in template:
+        raise UserError(f"{path} holds a chat template other than Qwen3's hybrid-thinking one that "
+                        "--chat writes (a Qwen3-2507 model?); run it without --chat")
+
+
+def weight_bytes(config, dtype):
+    """The bytes Part 1's weights take once loaded as dtype (a tied head shares the embedding's)."""
+    return sum(math.prod(shape) for shape in weight_shapes(config).values()) * dtype.size
+
+
+def memory_size():
+    """The memory the weights must fit in: on a GPU, its memory as MLX reports it (on a Mac, the
+    unified memory the GPU shares with the CPU; on CUDA, the card's); on the CPU, the RAM."""
+    info = mx.device_info() if mx.default_device() == mx.gpu else {}
+    size = info.get("memory_size") or info.get("total_memory")  # Metal's key, CUDA's key
+    return size or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(needed, available, dtype):
+    """Refuse weights larger than the whole memory before reading gigabytes only to crash or swap.
+    Anything smaller is left to run: the OS can usually make room."""
+    if needed > available:
+        name = str(dtype).split(".")[-1]
+        smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
+        raise UserError(f"the weights need {needed / 1e9:.1f} GB as {name}, but this machine has "
+                        f"{available / 1e9:.1f} GB of memory; try {smaller}--quantize 4, or a "
+                        "smaller model")
 
 
 def load_generation_config(model_dir):
@@ -720,6 +825,7 @@ def load_model(model_dir, dtype):
     Returns (config, weights, tokenizer, generation config)."""
     check_config(model_dir)
     config = load_config(model_dir)
+    check_memory(weight_bytes(config, dtype), memory_size(), dtype)
     check_weights(model_dir, config)
     path = Path(model_dir) / "tokenizer.json"
     try:
@@ -727,16 +833,17 @@ def load_model(model_dir, dtype):
     except Exception as e:  # the Rust library raises a plain Exception for any unreadable file
         raise UserError(f"cannot load {path} ({e}); re-download it")
     generation_config = load_generation_config(model_dir)
-    path = Path(model_dir) / "model.safetensors"
     try:
         weights = load_weights(model_dir, config, dtype)
-    except (RuntimeError, ValueError, OSError) as e:  # e.g. a read error halfway through the file
-        raise UserError(f"{path} is damaged ({e}); re-download it")
+    except (RuntimeError, ValueError, OSError) as e:  # e.g. a read error halfway through a file
+        files = weight_files(model_dir)
+        where = files[0] if len(files) == 1 else f"a shard in {model_dir}"
+        raise UserError(f"{where} is damaged ({e}); re-download it")
     return config, weights, tokenizer, generation_config
 
 
 # ------------------------------------------------------------------------------------------------
-# Downloading the default model
+# Finding the model: a folder, or a Hugging Face repo id downloaded once into a folder
 # ------------------------------------------------------------------------------------------------
 
 def default_model_dir():
@@ -745,60 +852,100 @@ def default_model_dir():
     return here if here.is_dir() else Path(__file__).resolve().parent / "Qwen3-0.6B"
 
 
-def download_command(model_dir):
-    return f"hf download {HF_REPO} {' '.join(MODEL_FILES)} --local-dir {model_dir}"
+def is_repo_id(text):
+    """'owner/name', as Hugging Face spells repo ids: letters, digits, '-', '_' and '.'."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", text) is not None
 
 
-def download_model(model_dir):
-    """Fetch Qwen3-0.6B's files from Hugging Face into model_dir, all or nothing.
+def repo_dir(repo):
+    """Where a repo id's files go: Qwen/Qwen3-1.7B -> Qwen/Qwen3-1.7B next to this script."""
+    return Path(__file__).resolve().parent / repo
 
-    Files land in a temporary folder beside model_dir first and are moved in only once all have
-    arrived, so an interrupted download never leaves a folder that looks complete.
+
+def download_command(repo, model_dir):
+    files = f" {' '.join(MODEL_FILES)}" if repo == HF_REPO else ""
+    return f"hf download {repo}{files} --local-dir {model_dir}"
+
+
+def missing_files(names):
+    """The NEEDED_FILES not among the file names given (a folder's, or a repo's); a sharded
+    checkpoint's index stands in for model.safetensors (check_weights then checks its shards)."""
+    return [name for name in NEEDED_FILES if name not in names
+            and not (name == "model.safetensors" and WEIGHTS_INDEX in names)]
+
+
+def download_model(repo, model_dir):
+    """Fetch the files Part 1 reads from a Hugging Face repo into model_dir, all or nothing.
+
+    Files land in a temporary folder first and are moved in only once all have arrived, so an
+    interrupted download never leaves a folder that looks complete, nor any new folder at all.
     """
     import huggingface_hub  # only needed here, on the first run
 
     model_dir = Path(model_dir)
     staging = None
     try:
-        info = huggingface_hub.HfApi().model_info(HF_REPO, files_metadata=True)
-        sizes = {s.rfilename: s.size or 0 for s in info.siblings}
-        total = sum(sizes.get(name, 0) for name in MODEL_FILES)
-        print(f"Downloading {HF_REPO} ({len(MODEL_FILES)} files, {total / 1e9:.2f} GB) "
-              f"into {model_dir}/", file=sys.stderr)
-        model_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.download-",
-                                        dir=model_dir.parent))
-        for name in MODEL_FILES:
-            huggingface_hub.hf_hub_download(HF_REPO, name, local_dir=staging)
-        model_dir.mkdir(exist_ok=True)
-        for name in MODEL_FILES:
+        info = huggingface_hub.HfApi().model_info(repo, files_metadata=True)
+        sizes = {s.rfilename: s.size or 0 for s in info.siblings}  # every file in the repo
+        lacking = missing_files(sizes)
+        if lacking:
+            raise UserError(f"{repo} has no {', '.join(lacking)}: it is not a Qwen3 checkpoint "
+                            "in Hugging Face's safetensors layout")
+        root = next(folder for folder in model_dir.parents if folder.is_dir())
+        staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.download-", dir=root))
+        fetch = lambda name: huggingface_hub.hf_hub_download(repo, name, local_dir=staging)
+        fetch("config.json")
+        check_config(staging)  # refuse a model this script does not run before fetching gigabytes
+        names = [name for name in (*MODEL_FILES, "chat_template.jinja") if name in sizes]
+        if "model.safetensors" not in sizes:
+            fetch(WEIGHTS_INDEX)
+            names += [WEIGHTS_INDEX, *(path.name for path in checked_weight_files(staging))]
+        print(f"Downloading {repo} ({len(names)} files, "
+              f"{sum(sizes.get(name, 0) for name in names) / 1e9:.2f} GB) into {model_dir}/",
+              file=sys.stderr)
+        for name in names:
+            if not (staging / name).exists():
+                fetch(name)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        for name in names:
             os.replace(staging / name, model_dir / name)
+    except UserError as e:  # name the repo in the message, not the temporary folder
+        raise UserError(str(e).replace(str(staging), repo) if staging else str(e))
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"could not download {HF_REPO} ({type(e).__name__}: {reason}); "
-                        f"fetch it by hand with: {download_command(model_dir)}")
+        raise UserError(f"could not download {repo} ({type(e).__name__}: {reason}); "
+                        f"fetch it by hand with: {download_command(repo, model_dir)}")
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
 
 
 def find_model(model_arg, allow_download):
-    """The model folder to use; downloads the default one when it is missing or incomplete."""
-    model_dir = Path(model_arg) if model_arg else default_model_dir()
-    missing = [name for name in NEEDED_FILES if not (model_dir / name).is_file()]
+    """The model folder to use. --model is a folder when that path exists or is no repo id; it is
+    never downloaded into, as it may hold another model. A repo id (the default: Qwen/Qwen3-0.6B)
+    is downloaded into its folder when that is missing or incomplete."""
+    if model_arg and (Path(model_arg).exists() or not is_repo_id(model_arg)):
+        model_dir, repo = Path(model_arg), None
+    else:
+        repo = model_arg or HF_REPO
+        model_dir = repo_dir(repo) if model_arg else default_model_dir()
+    present = {name for name in (*NEEDED_FILES, WEIGHTS_INDEX) if (model_dir / name).is_file()}
+    missing = missing_files(present)
     if not missing:
         return model_dir
     if model_dir.is_dir():
         what = f"{model_dir} lacks {', '.join(missing)}"
     else:
         what = f"model folder {model_dir} not found"
-    if model_arg:  # an explicit folder is never filled with 0.6B files: it may hold another model
-        raise UserError(f"{what}; point --model at a folder with {', '.join(NEEDED_FILES)}")
+    if repo is None:
+        raise UserError(f"{what}; point --model at a folder with {', '.join(NEEDED_FILES)} "
+                        f"(or {WEIGHTS_INDEX} and its shards), or at a repo id such as "
+                        "Qwen/Qwen3-1.7B")
     if not allow_download:
         raise UserError(f"{what} and --no-download was given; "
-                        f"fetch it with: {download_command(model_dir)}")
+                        f"fetch it with: {download_command(repo, model_dir)}")
     try:
-        download_model(model_dir)
+        download_model(repo, model_dir)
     except UserError as e:
         raise UserError(f"{what}, and {e}")
     return model_dir
@@ -977,7 +1124,9 @@ def parse_args(argv):
     ap.add_argument("--seed", type=number(int, 0, 2**64 - 1),
                     help="random seed for sampling (default: a fresh one)")
     ap.add_argument("--model",
-                    help="model folder (default: ./Qwen3-0.6B, else the one next to this script)")
+                    help="a model folder, or a Hugging Face repo id such as Qwen/Qwen3-1.7B, "
+                    "downloaded once into the folder Qwen/Qwen3-1.7B next to this script "
+                    "(default: ./Qwen3-0.6B, else the one next to this script)")
     ap.add_argument("--no-download", action="store_true",
                     help="never download the model, fail instead")
     ap.add_argument("--chat", action="store_true",
@@ -1231,6 +1380,8 @@ def main(argv=None):
         print(f"warning: {', '.join(ignored)} only matter when sampling; greedy decoding "
               "ignores them (add --temperature)", file=sys.stderr)
     model_dir = find_model(args.model, allow_download=not args.no_download)
+    if args.chat:
+        check_chat_template(model_dir)
     dtype = pick_dtype(args.dtype)
     config, weights, tokenizer, generation_config = load_model(model_dir, dtype)
     eos_ids = eos_token_ids(generation_config, tokenizer)
@@ -1253,6 +1404,9 @@ def main(argv=None):
     print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
           f"{c.num_attention_heads} Q heads, {c.num_key_value_heads} KV heads) on {device_name()}, "
           f"{str(dtype).split('.')[-1]}", file=sys.stderr)
+    if c.tie_word_embeddings and weights["lm_head"] is not weights["embed_tokens"]:
+        print("Note: config.json ties the LM head to the embeddings, but the checkpoint stores a "
+              "different lm_head.weight; using it, as transformers does", file=sys.stderr)
     if multi_turn:
         print(f"Chat: {describe(sampling)}, up to {max_tokens} tokens per reply. /reset starts "
               "over; /exit or Ctrl-D ends; Ctrl-C stops a reply.", file=sys.stderr)
