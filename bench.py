@@ -53,6 +53,34 @@ def cache_experiment(weights, config, lengths, n=16, reps=3):
               f"the cache is {speeds[True] / speeds[False]:.1f}x faster")
 
 
+def chat_experiment(weights, config, tokenizer, turns, reply_tokens):
+    """Time to first token at each turn of a conversation: with the KV cache kept from the turn
+    before (li.Chat) vs a fresh cache that prefills the whole conversation again."""
+    message = "Tell me more, and this time go into the details."
+    print(f"a {turns}-turn chat, {reply_tokens}-token replies: time to first token with the cache "
+          "kept vs prefilling everything again (one run per turn)")
+    print(f"{'turn':>4} {'conversation':>12} {'reused':>7} {'prefilled':>9} {'kept ms':>8} "
+          f"{'fresh ms':>9} {'ratio':>6}")
+    for name in ("warm-up", "run"):
+        chat = li.Chat(weights, config, tokenizer)
+        for turn in range(1, turns + 1):
+            fresh = li.Chat(weights, config, tokenizer)
+            fresh.turns = list(chat.turns)
+            start = time.perf_counter()
+            next(fresh.reply(message, 1))  # the first token of this turn, everything prefilled
+            fresh_time = time.perf_counter() - start
+            replies = chat.reply(message, reply_tokens)
+            start = time.perf_counter()
+            next(replies)
+            kept_time = time.perf_counter() - start
+            for _ in replies:  # the rest of the reply, so that the conversation grows
+                pass
+            if name == "run":
+                print(f"{turn:>4} {chat.reused + chat.prefilled:>12} {chat.reused:>7} "
+                      f"{chat.prefilled:>9} {kept_time * 1e3:8.1f} {fresh_time * 1e3:9.1f} "
+                      f"{fresh_time / kept_time:5.1f}x")
+
+
 def timed(run, prompt, n):
     """Time to first token, decode tok/s over the rest, peak memory, and the tokens."""
     mx.synchronize()
@@ -146,6 +174,10 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--cache-lengths", type=int, nargs="+", metavar="N",
                     help="instead: decode speed with and without the KV cache at these prompt lengths")
+    ap.add_argument("--chat-turns", type=int, metavar="N",
+                    help="instead: time to first token per turn of an N-turn chat, with the cache "
+                         "kept across turns vs prefilling the conversation again (--decode-tokens "
+                         "per reply)")
     args = ap.parse_args()
     if args.device:
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
@@ -160,6 +192,7 @@ def main():
             print(f"writing a random-weight {'tiny' if args.tiny else 'Qwen3-0.6B-shaped'} checkpoint ...", flush=True)
             write_checkpoint(model_dir, TINY_CONFIG if args.tiny else None)
         config, weights, model = load_pair(model_dir, dtype)
+        tokenizer = li.load_tokenizer(model_dir)
 
     unique = {id(w): w for w in by_checkpoint_name(weights).values()}  # a tied head is counted once
     weight_bytes = sum(w.nbytes for w in unique.values())
@@ -168,6 +201,9 @@ def main():
           f"{config.num_hidden_layers} layers, {weight_bytes / 1e9:.2f} GB of weights")
     if args.cache_lengths:
         cache_experiment(weights, config, args.cache_lengths, reps=args.reps)
+        return
+    if args.chat_turns:
+        chat_experiment(weights, config, tokenizer, args.chat_turns, args.decode_tokens)
         return
     runners = {"ours": ours(weights, config), "mlx-lm": mlx_lm_runner(model)}
     bandwidth = measure_bandwidth(dtype)

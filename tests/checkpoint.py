@@ -252,20 +252,98 @@ QWEN3_GENERATION_CONFIG = {
     "transformers_version": "4.51.0",
 }
 
-# A small ChatML template (our own, simplified from Qwen3's behaviour: no
-# tool support).  ``enable_thinking=False`` pre-fills an empty think block,
-# as Qwen3's template does.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}"
-    "{%- endif %}"
-)
+# The chat template Qwen/Qwen3-0.6B ships in tokenizer_config.json (the hybrid-thinking one):
+# earlier replies lose their <think> reasoning, and ``enable_thinking=False`` pre-fills an empty
+# think block in the generation prompt.
+CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
 
 # A trimmed-down tokenizer_config.json; the real one also lists every added
 # token, which tokenizer.json already does.
@@ -406,6 +484,8 @@ def write_checkpoint(
     config_overrides: dict | None = None,
     seed: int = 0,
     dtype: str = "bfloat16",
+    shards: int = 1,
+    tied_head: str | None = None,
 ) -> Path:
     """Write a random-weight Qwen3 checkpoint in Hugging Face layout.
 
@@ -413,6 +493,12 @@ def write_checkpoint(
     tokenizer_config.json and model.safetensors.  ``config_overrides`` are
     applied on top of Qwen3-0.6B's config (e.g. ``TINY_CONFIG``).  ``dtype``
     is "bfloat16" (what HF ships) or "float32".  Returns ``folder``.
+
+    ``shards=N`` (N > 1) splits the weights as Hugging Face does for larger
+    models: ``model-0000i-of-0000N.safetensors`` files, each holding a run of
+    consecutive tensors, plus ``model.safetensors.index.json`` mapping every
+    tensor name to its file.  ``tied_head`` (tied configs only) also stores an
+    ``lm_head.weight``: "same" a copy of the embedding, "different" random.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -426,5 +512,27 @@ def write_checkpoint(
     write_tokenizer_json(folder / "tokenizer.json")
 
     weights = random_weights(config, seed=seed, dtype=mx_dtype)
-    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+    if tied_head is not None:
+        assert config["tie_word_embeddings"], "tied_head only applies to tied checkpoints"
+        embedding = weights["model.embed_tokens.weight"]
+        if tied_head == "same":
+            weights["lm_head.weight"] = mx.array(embedding)
+        else:
+            untied = random_weights({**config, "tie_word_embeddings": False}, seed=seed + 1000)
+            weights["lm_head.weight"] = untied["lm_head.weight"].astype(mx_dtype)
+    if shards == 1:
+        mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+        return folder
+
+    names = list(weights)
+    weight_map = {}
+    for i in range(shards):
+        filename = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        chunk = names[i * len(names) // shards : (i + 1) * len(names) // shards]
+        mx.save_safetensors(str(folder / filename), {n: weights[n] for n in chunk},
+                            metadata={"format": "pt"})
+        weight_map |= {name: filename for name in chunk}
+    total_size = sum(w.nbytes for w in weights.values())
+    _write_json(folder / "model.safetensors.index.json",
+                {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})
     return folder
