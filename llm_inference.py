@@ -1062,11 +1062,11 @@ def device_name():
 
 # OpenBLAS, the lines at the top of the file. MLX's Linux CPU wheel (the mlx-cpu package, unpacked
 # next to mlx/ with its libraries in mlx_cpu.libs/) does float32 matrix products by calling
-# cblas_sgemm from a bundled reference BLAS: plain loops, slower than the memory
-# allows. A library opened with RTLD_GLOBAL before MLX loads comes first when the dynamic linker
-# resolves MLX's symbols, so loading OpenBLAS that way sends those calls to OpenBLAS; loaded after
-# MLX it is never used. macOS and the CUDA wheel do matrix products on the GPU: there the lines
-# load nothing.
+# cblas_sgemm from a bundled reference BLAS: plain loops, fine for decoding's one-token products
+# but many times slower than OpenBLAS on a whole prompt (README, Platforms). A library opened with
+# RTLD_GLOBAL before MLX loads comes first when the dynamic linker resolves MLX's symbols, so
+# loading OpenBLAS that way sends those calls to it; loaded after MLX it is never used. macOS and
+# the CUDA wheel do matrix products on the GPU: there the lines load nothing.
 OPENBLAS_HINT = ("Hint: this CPU runs float32 faster with OpenBLAS, which this script uses once "
                  "installed: sudo apt-get install libopenblas0-pthread")
 

@@ -31,6 +31,7 @@ from tests.test_cli import (  # noqa: F401 (fixtures)
     cli_env,
     reference,
     run_cli,
+    stderr_lines,
     tiny_model,
     variant,
 )
@@ -263,7 +264,7 @@ def test_sampling_defaults(tiny_model, tmp_path, flags, expected):
     rc, _, err = run_cli("--model", tiny_model, "--prompt", "Hi", "--max-tokens", 2, "--seed", 3,
                          *flags, cwd=tmp_path)
     assert rc == 0, err
-    settings = SETTINGS.search(err.splitlines()[1])
+    settings = SETTINGS.search(stderr_lines(err)[1])
     assert (settings[1], settings[3], settings[2], settings[5]) == expected  # T, top-p, top-k, min-p
 
 
@@ -273,7 +274,7 @@ def test_completion_sampling_falls_back_on_transformers_defaults(variant, tmp_pa
     rc, out, err = run_cli("--model", folder, "--prompt", "Hi", "--max-tokens", 8, "--seed", 3,
                            "--temperature", "0.9", cwd=tmp_path)
     assert rc == 0, err
-    assert "temperature 0.9, top-k 50, top-p 1.0, seed 3" in err.splitlines()[1]
+    assert "temperature 0.9, top-k 50, top-p 1.0, seed 3" in stderr_lines(err)[1]
     sampling = li.Sampling(temperature=0.9, top_k=50, top_p=1.0, seed=3)
     ids = [t for t, _ in li.generate(reference.ids("Hi"), reference.weights, reference.config, 8,
                                      sampling, {151643, 151645})]
@@ -284,7 +285,7 @@ def test_presence_penalty_reaches_the_sampler(tiny_model, reference, tmp_path):
     rc, out, err = run_cli("--model", tiny_model, "--prompt", "Hi", "--max-tokens", 16,
                            "--presence-penalty", "2", cwd=tmp_path)
     assert rc == 0, err
-    assert err.splitlines()[1].endswith("presence penalty 2.0, greedy")
+    assert stderr_lines(err)[1].endswith("presence penalty 2.0, greedy")
     ids = [t for t, _ in li.generate(reference.ids("Hi"), reference.weights, reference.config, 16,
                                      li.Sampling(presence_penalty=2.0), reference.eos_ids)]
     assert out == reference.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd") + "\n"

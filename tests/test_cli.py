@@ -79,14 +79,19 @@ def assert_one_line_error(result, code=1, *needles):
     return lines[0]
 
 
+def stderr_lines(err):
+    """stderr's lines without the OpenBLAS hint, which follows the model line on a Linux CPU without
+    OpenBLAS (tests/test_openblas.py checks it): the same lines on every machine."""
+    return [line for line in err.splitlines() if line != li.OPENBLAS_HINT]
+
+
 def parse_success(result):
     """Checks a normal run; returns (generated text, stderr lines, prompt tokens, generated tokens)."""
     rc, out, err = result
     assert rc == 0, f"exit code {rc}; stderr:\n{err}"
     assert "Traceback" not in err, err
     assert out.endswith("\n"), repr(out)
-    # Without OpenBLAS on a Linux CPU a hint follows the model line (tests/test_openblas.py checks it).
-    lines = [line for line in err.splitlines() if line != li.OPENBLAS_HINT]
+    lines = stderr_lines(err)
     assert lines[0].startswith("Model: "), lines
     stats = STATS.search(lines[-1])
     assert stats and lines[-1].startswith("Prompt: "), lines[-1]
