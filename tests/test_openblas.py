@@ -28,9 +28,10 @@ SWITCHES = {"default": None, "off": "0"}  # LLM_INFERENCE_BLAS
 MAPS = "(open('/proc/self/maps') if sys.platform == 'linux' else [])"
 
 
-def in_subprocess(code, tmp_path, blas, *args):
-    """Run `code` after `import llm_inference` in a fresh Python; returns its stdout as JSON."""
-    program = f"import json, sys\nsys.path.insert(0, {str(SCRIPT.parent)!r})\nimport llm_inference as li\n{code}"
+def in_subprocess(code, tmp_path, blas, *args, first=""):
+    """Run `first`, `import llm_inference`, then `code` in a fresh Python; returns its stdout as JSON."""
+    program = (f"import json, sys\n{first}\nsys.path.insert(0, {str(SCRIPT.parent)!r})\n"
+               f"import llm_inference as li\n{code}")
     proc = subprocess.run([sys.executable, "-c", program, *args], cwd=tmp_path, capture_output=True, timeout=120,
                           env=cli_env(tmp_path / ".hf-home", LLM_INFERENCE_BLAS=SWITCHES[blas]))
     assert proc.returncode == 0, proc.stderr.decode()
@@ -52,13 +53,8 @@ def test_openblas_is_loaded_exactly_when_installed_and_not_switched_off(tmp_path
 
 def test_loading_after_mlx_does_not_count(tmp_path):
     # Once MLX is loaded, its products are bound to the bundled BLAS: the flag must not claim OpenBLAS.
-    program = ("import json, sys\nimport mlx.core\n"
-               f"sys.path.insert(0, {str(SCRIPT.parent)!r})\nimport llm_inference as li\n"
-               f"maps = [line for line in {MAPS} if 'openblas' in line]\n"
-               "print(json.dumps([li.OPENBLAS, maps]))")
-    proc = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, timeout=120,
-                          env=cli_env(tmp_path / ".hf-home"))
-    assert json.loads(proc.stdout) == [False, []], proc.stderr.decode()
+    code = f"print(json.dumps([li.OPENBLAS, [line for line in {MAPS} if 'openblas' in line]]))"
+    assert in_subprocess(code, tmp_path, "default", first="import mlx.core") == [False, []]
 
 
 @pytest.mark.parametrize("blas", SWITCHES)
@@ -68,7 +64,8 @@ def test_hint_and_auto_dtype_on_the_command_line(tiny_model, tmp_path, blas):
     parse_success((rc, out, err))
     lines = err.splitlines()
     used = INSTALLED and blas == "default"
-    assert lines[0].startswith("Model: tiny-qwen3 ") and lines[0].endswith(", float32"), lines[0]
+    dtype = "float32" if CPU_WHEEL else "bfloat16"  # the same with either BLAS
+    assert lines[0].startswith("Model: tiny-qwen3 ") and lines[0].endswith(f", {dtype}"), lines[0]
     hints = [line for line in lines if "OpenBLAS" in line]
     if CPU_WHEEL and not used:  # once, right under the model line, naming the install command
         assert hints == [lines[1]] == [li.OPENBLAS_HINT]
