@@ -91,3 +91,10 @@ def test_same_text_and_logits_with_and_without_openblas(tiny_model, tmp_path):
                                          cwd=tmp_path, LLM_INFERENCE_BLAS=SWITCHES[blas]))[0]
              for blas in SWITCHES}
     assert texts["default"] == texts["off"]
+
+
+def test_a_library_that_fails_to_load_is_no_error(tmp_path):
+    # What a machine without OpenBLAS sees, on any machine: opening it raises OSError.
+    first = "import ctypes\ndef absent(*args, **kwargs): raise OSError('not found')\nctypes.CDLL = absent"
+    code = "import mlx.core as mx\nprint(json.dumps([li.OPENBLAS, (mx.ones((2, 3)) @ mx.ones((3, 2))).tolist()]))"
+    assert in_subprocess(code, tmp_path, "default", first=first) == [False, [[3.0, 3.0], [3.0, 3.0]]]
