@@ -5,6 +5,7 @@ the model folder, downloading it, the command line. Stop after Part 1 and you ha
 
     "The capital of France is"
       -> 1. load      config.json + model.safetensors + tokenizer.json
+                      (1b. optionally quantized: 4 or 8 bits per weight instead of 16)
       -> 2. tokenize  [785, 6722, 315, 9625, 374]
       -> 3. embed     one 1024-number vector per token                      (seq, 1024)
       -> 8. transformer block, 28 times:
@@ -68,7 +69,7 @@ def load_config(model_dir):
 
 
 # A layer's tensors: the short name used below -> the name in the checkpoint. Matrices are stored
-# (out, in), PyTorch's nn.Linear layout, so a layer computes x @ W.T.
+# (out, in), PyTorch's nn.Linear layout, so a layer computes x @ W.T (linear(), 1b).
 LAYER_TENSORS = {
     "input_layernorm": "input_layernorm.weight",  # (1024,)
     "q_proj": "self_attn.q_proj.weight",  # (2048, 1024) = (16 heads x 128, 1024)
@@ -84,21 +85,28 @@ LAYER_TENSORS = {
 }
 
 
-def load_weights(model_dir, config, dtype):
-    """{"embed_tokens", "layers": [{"q_proj": ..., ...} x 28], "norm", "lm_head"}, as `dtype`."""
+def load_weights(model_dir, config, dtype, bits=None):
+    """{"embed_tokens", "layers": [{"q_proj": ..., ...} x 28], "norm", "lm_head"}, as `dtype`;
+    with bits=4 or 8, every matrix is quantized as it is read (section 1b)."""
     tensors = mx.load(str(Path(model_dir) / "model.safetensors"))  # lazy: nothing read yet
 
     # Read and convert one tensor at a time, so the file's bfloat16 copy of everything never sits
     # beside the converted weights (in float32 that would peak at 1.5x the weights).
     def tensor(name):
-        weight = tensors.pop(name).astype(dtype)
+        weight = tensors.pop(name)
+        # Matrices whose rows split into whole groups (all of Qwen3's); mlx-lm leaves others as is.
+        if bits and weight.ndim == 2 and weight.shape[1] % GROUP_SIZE == 0:
+            weight = quantize(weight, bits, dtype)
+        else:
+            weight = weight.astype(dtype)
         mx.eval(weight)
         return weight
 
     layers = [{short: tensor(f"model.layers.{i}.{name}") for short, name in LAYER_TENSORS.items()}
               for i in range(config.num_hidden_layers)]
     embed_tokens = tensor("model.embed_tokens.weight")  # (151936, 1024)
-    # Tied embeddings: the LM head *is* the embedding table (the same array: 311 MB not copied).
+    # Tied embeddings: the LM head *is* the embedding table (the same array: 311 MB not copied;
+    # quantized, the head multiplies by the quantized table).
     lm_head = embed_tokens if config.tie_word_embeddings else tensor("lm_head.weight")
     return {"embed_tokens": embed_tokens, "layers": layers, "norm": tensor("model.norm.weight"),
             "lm_head": lm_head}
@@ -106,6 +114,56 @@ def load_weights(model_dir, config, dtype):
 
 def load_tokenizer(model_dir):
     return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+
+
+# ------------------------------------------------------------------------------------------------
+# 1b. Quantization (--quantize 4 or 8): fewer bits per weight, fewer bytes to read per token
+# ------------------------------------------------------------------------------------------------
+#
+# Generating a token multiplies one vector by every weight matrix: each weight is read from memory,
+# used for a single multiply-add, and dropped. So decoding waits on memory, not on arithmetic:
+# Qwen3-0.6B reads its 1.2 GB of bfloat16 weights for every token, and a machine whose memory
+# delivers 100 GB/s cannot decode more than about 80 tokens a second. Fewer bytes per weight, more
+# tokens per second.
+#
+# Group-wise affine quantization (MLX's and mlx-lm's): each row of a matrix is cut into groups of
+# 64 consecutive weights. A group keeps one scale and one bias, in the weights' float type, and
+# 64 integers q from 0 to 2^bits - 1, chosen so that w ≈ scale * q + bias: the 2^bits levels are
+# spread evenly over the group's range, from its smallest weight to its largest. At 4 bits a weight
+# costs 4 + 2 x 16 / 64 = 4.5 bits instead of 16 (3.6x smaller; 8 bits: 8.5, 1.9x smaller). The
+# price is rounding: a weight moves by up to half a level, and every product moves with it (the
+# README, Quantization, measures how much on a layer).
+#
+# The model reads quantized matrices as they are: mx.quantized_matmul unpacks each group inside the
+# matrix product, so the full-precision matrix never exists in memory. That is the one change the
+# model needs, in linear(), through which every projection and the LM head go.
+
+GROUP_SIZE = 64  # weights sharing one scale and bias (mlx-lm's default)
+
+
+class Quantized(NamedTuple):  # a NamedTuple, so compiled functions (section 12) accept it
+    """A matrix (out, in), quantized in groups of group_size along each row: w ≈ scale * q + bias."""
+    weight: mx.array  # (out, in * bits / 32) uint32: each holds 32 / bits of the integers q
+    scales: mx.array  # (out, in / group_size): one per group, in the activations' dtype
+    biases: mx.array  # (out, in / group_size)
+    group_size: int
+    bits: int  # 4 or 8
+
+
+def quantize(weight, bits, dtype):
+    """A checkpoint matrix -> Quantized, as mlx_lm.convert does it: from the values as stored
+    (bfloat16), so the scales and biases are bfloat16 numbers, then held as `dtype` (float32 keeps
+    them exactly)."""
+    q, scales, biases = mx.quantize(weight, group_size=GROUP_SIZE, bits=bits)  # affine mode
+    return Quantized(q, scales.astype(dtype), biases.astype(dtype), GROUP_SIZE, bits)
+
+
+def linear(x, weight):
+    """x @ weight.T, for a weight (out, in) in floats or Quantized: every matrix product below."""
+    if isinstance(weight, Quantized):  # unpacks each group of weights as it multiplies
+        return mx.quantized_matmul(x, weight.weight, weight.scales, weight.biases, transpose=True,
+                                   group_size=weight.group_size, bits=weight.bits)
+    return x @ weight.T
 
 
 # ------------------------------------------------------------------------------------------------
@@ -140,6 +198,10 @@ def chat_prompt(user, system=None, think=True):
 # ------------------------------------------------------------------------------------------------
 
 def embed(token_ids, embed_tokens):
+    if isinstance(embed_tokens, Quantized):  # unpack the rows picked, not the 151936-row table
+        t = embed_tokens
+        return mx.dequantize(t.weight[token_ids], t.scales[token_ids], t.biases[token_ids],
+                             group_size=t.group_size, bits=t.bits)  # (seq, 1024)
     return embed_tokens[token_ids]  # (seq,) ids -> (seq, 1024)
 
 
@@ -209,9 +271,9 @@ def queries_keys_values(x, layer, config, offset):
     """The first half of attention: x (seq, 1024) at positions offset, offset+1, ... -> q, k, v."""
     c, seq = config, x.shape[0]
     # Project each position to queries, keys and values, split into heads, heads first.
-    q = (x @ layer["q_proj"].T).reshape(seq, c.num_attention_heads, c.head_dim).swapaxes(0, 1)
-    k = (x @ layer["k_proj"].T).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
-    v = (x @ layer["v_proj"].T).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
+    q = linear(x, layer["q_proj"]).reshape(seq, c.num_attention_heads, c.head_dim).swapaxes(0, 1)
+    k = linear(x, layer["k_proj"]).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
+    v = linear(x, layer["v_proj"]).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
     # QK-norm (new in Qwen3 compared with Qwen2.5): RMS-normalise each head's 128 query and key
     # channels. Otherwise their sizes can creep up in training until the softmax saturates and
     # training turns unstable; here their scale is set by two small learned gains. The order matters
@@ -294,7 +356,7 @@ def attention(x, layer, config, cache):
     heads = attend(q, k, v)  # (16, seq, 128)
     # Concatenate the heads into one vector per position; the output projection mixes them.
     heads = heads.swapaxes(0, 1).reshape(x.shape[0], -1)  # (seq, 16 x 128 = 2048)
-    return heads @ layer["o_proj"].T  # (seq, 1024)
+    return linear(heads, layer["o_proj"])  # (seq, 1024)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -310,9 +372,9 @@ def swiglu(x, layer):
     a smooth ReLU, not a 0-1 switch: it passes positive gate values almost unchanged and squashes
     negative ones towards 0; multiplied with a second projection (`up`), it gates it.
     """
-    gate = x @ layer["gate_proj"].T  # (seq, 3072)
-    up = x @ layer["up_proj"].T  # (seq, 3072)
-    return (gate * mx.sigmoid(gate) * up) @ layer["down_proj"].T  # (seq, 1024)
+    gate = linear(x, layer["gate_proj"])  # (seq, 3072)
+    up = linear(x, layer["up_proj"])  # (seq, 3072)
+    return linear(gate * mx.sigmoid(gate) * up, layer["down_proj"])  # (seq, 1024)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -344,7 +406,7 @@ def forward(token_ids, weights, config, cache, last_only=True):
     if last_only:  # generating needs only the next token: skip (seq-1) x 151936 dot products
         x = x[-1]
     x = rms_norm(x, weights["norm"], config.rms_norm_eps)
-    return x @ weights["lm_head"].T  # (vocab,) or (seq, vocab): a score (logit) per token
+    return linear(x, weights["lm_head"])  # (vocab,) or (seq, vocab): a score (logit) per token
 
 
 # ------------------------------------------------------------------------------------------------
