@@ -142,7 +142,7 @@ GROUP_SIZE = 64  # weights sharing one scale and bias (mlx-lm's default)
 
 
 class Quantized(NamedTuple):  # a NamedTuple, so compiled functions (section 12) accept it
-    """A matrix (out, in), quantized in groups of group_size along each row: w ≈ scale * q + bias."""
+    """A matrix (out, in) quantized in groups of group_size along each row: w ≈ scale * q + bias."""
     weight: mx.array  # (out, in * bits / 32) uint32: each holds 32 / bits of the integers q
     scales: mx.array  # (out, in / group_size): one per group, in the activations' dtype
     biases: mx.array  # (out, in / group_size)
@@ -654,8 +654,8 @@ def eos_token_ids(generation_config, tokenizer):
     return ids
 
 
-def load_model(model_dir, dtype):
-    """Part 1's loaders, after checking what they assume.
+def load_model(model_dir, dtype, bits=None):
+    """Part 1's loaders, after checking what they assume; bits: --quantize.
     Returns (config, weights, tokenizer, generation config)."""
     check_config(model_dir)
     config = load_config(model_dir)
@@ -668,7 +668,7 @@ def load_model(model_dir, dtype):
     generation_config = load_generation_config(model_dir)
     path = Path(model_dir) / "model.safetensors"
     try:
-        weights = load_weights(model_dir, config, dtype)
+        weights = load_weights(model_dir, config, dtype, bits)
     except (RuntimeError, ValueError, OSError) as e:  # e.g. a read error halfway through the file
         raise UserError(f"{path} is damaged ({e}); re-download it")
     return config, weights, tokenizer, generation_config
@@ -916,6 +916,9 @@ def parse_args(argv):
                     help="with --chat: skip Qwen3's <think> reasoning")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                     help="auto = bfloat16 on a GPU, float32 on the CPU")
+    ap.add_argument("--quantize", type=int, choices=[4, 8], metavar="{4,8}",
+                    help="store the weights in 4 or 8 bits, as mlx_lm.convert does: less memory; "
+                         "faster decoding on a GPU, not on the CPU (README, Quantization)")
     lab = ap.add_argument_group("experiments (README, Experiments)")
     lab.add_argument("--top-probs", type=number(int, 1), metavar="N",
                      help="print the N likeliest first tokens and their probabilities")
@@ -952,7 +955,7 @@ def main(argv=None):
     system = checked_text(args.system, "--system") if args.system is not None else None
     model_dir = find_model(args.model, allow_download=not args.no_download)
     dtype = pick_dtype(args.dtype)
-    config, weights, tokenizer, generation_config = load_model(model_dir, dtype)
+    config, weights, tokenizer, generation_config = load_model(model_dir, dtype, args.quantize)
     eos_ids = eos_token_ids(generation_config, tokenizer)
     sampling = sampling_settings(args, generation_config)
     FUSED_KERNELS = not args.reference_ops  # set once, before anything runs or is compiled
@@ -970,7 +973,8 @@ def main(argv=None):
     c = config
     print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
           f"{c.num_attention_heads} Q heads, {c.num_key_value_heads} KV heads) on {device_name()}, "
-          f"{str(dtype).split('.')[-1]}", file=sys.stderr)
+          f"{str(dtype).split('.')[-1]}{f', {args.quantize}-bit weights' if args.quantize else ''}",
+          file=sys.stderr)
     if sampling.temperature == 0:
         how = "greedy"
     else:

@@ -104,11 +104,11 @@ def tiny_model(tmp_path_factory):
 class Reference:
     """The same model loaded in this process with the library functions, to compare the CLI against."""
 
-    def __init__(self, folder, dtype):
+    def __init__(self, folder, dtype, bits=None):
         self.folder = folder
         self.config = li.load_config(folder)
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        self.weights = li.load_weights(folder, self.config, dtype)
+        self.weights = li.load_weights(folder, self.config, dtype, bits)
         self.eos_ids = li.eos_token_ids(li.load_generation_config(folder), self.tokenizer)
 
     def ids(self, text):
@@ -261,6 +261,16 @@ def test_dtype_bfloat16(tiny_model, tmp_path):
     assert text == expected
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize(tiny_model, greedy_24, tmp_path, bits):
+    expected = Reference(tiny_model, li.pick_dtype("auto"), bits).text(PROMPT, 24)
+    text, lines, _, n_generated = parse_success(
+        run_cli("--model", tiny_model, "--max-tokens", 24, "--quantize", bits, cwd=tmp_path))
+    assert lines[0].endswith(f", {bits}-bit weights")
+    assert (text, n_generated) == (expected, 24)
+    assert text != greedy_24  # rounding the weights changed the continuation of this random model
+
+
 def test_max_tokens_one(tiny_model, reference, tmp_path):
     text, _, n_prompt, n_generated = parse_success(run_cli("--model", tiny_model, "--max-tokens", 1, cwd=tmp_path))
     assert (n_prompt, n_generated) == (5, 1)
@@ -342,6 +352,8 @@ BAD_FLAGS = [
     (["--top-p", "inf"], ["--top-p", "finite"]),
     (["--top-probs", "0"], ["--top-probs", "0"]),
     (["--dtype", "int8"], ["--dtype", "int8"]),
+    (["--quantize", "3"], ["--quantize", "3"]),
+    (["--quantize", "16"], ["--quantize", "16"]),
     (["--system", "hi"], ["--system", "--chat"]),
     (["--system", ""], ["--system", "--chat"]),
     (["--no-think"], ["--no-think", "--chat"]),
