@@ -142,7 +142,7 @@ GROUP_SIZE = 64  # weights sharing one scale and bias (mlx-lm's default)
 
 
 class Quantized(NamedTuple):  # a NamedTuple, so compiled functions (section 12) accept it
-    """A matrix (out, in) quantized in groups of group_size along each row: w ≈ scale * q + bias."""
+    """A matrix (out, in), quantized in groups along each of its rows: w ≈ scale * q + bias."""
     weight: mx.array  # (out, in * bits / 32) uint32: each holds 32 / bits of the integers q
     scales: mx.array  # (out, in / group_size): one per group, in the activations' dtype
     biases: mx.array  # (out, in / group_size)
