@@ -3,6 +3,7 @@
     python bench.py                      # Qwen3-0.6B shape (random weights unless ./Qwen3-0.6B exists)
     python bench.py --tiny               # a 2-layer model: measures per-token overhead, not the matmuls
     python bench.py --device cpu --dtype float32 --prompt-lengths 128 --decode-tokens 64
+    python bench.py --quantize 4         # both runtimes on the same 4-bit weights (as mlx_lm.convert makes)
 
 For each prompt length: a warm-up, then --reps repetitions alternating which runtime goes first. Prints
 medians of prefill speed, time to first token (TTFT), decode speed and peak memory, the ratios ours /
@@ -110,21 +111,33 @@ def step_breakdown(weights, config, model, context=128, steps=30):
 
 
 def by_checkpoint_name(weights):
-    """Our weights (short names, per layer) under their Hugging Face checkpoint names."""
+    """Our weights (short names, per layer) under their checkpoint names; a quantized matrix x.weight
+    as its three arrays x.weight, x.scales, x.biases, as mlx-lm names them."""
     named = {"model.embed_tokens.weight": weights["embed_tokens"], "model.norm.weight": weights["norm"],
              "lm_head.weight": weights["lm_head"]}
     for i, layer in enumerate(weights["layers"]):
         named |= {f"model.layers.{i}.{li.LAYER_TENSORS[short]}": w for short, w in layer.items()}
-    return named
+    arrays = {}
+    for name, w in named.items():
+        if isinstance(w, li.Quantized):
+            stem = name.removesuffix(".weight")
+            arrays |= {f"{stem}.weight": w.weight, f"{stem}.scales": w.scales, f"{stem}.biases": w.biases}
+        else:
+            arrays[name] = w
+    return arrays
 
 
-def load_pair(model_dir, dtype):
-    """Our weights, and mlx-lm's model holding the very same arrays (so memory is not counted twice)."""
-    from mlx_lm.utils import load
+def load_pair(model_dir, dtype, bits=None):
+    """Our weights, and mlx-lm's model holding the very same arrays (so memory is not counted twice).
+    With bits, mlx-lm's model is quantized by mlx-lm's own converter function, then given our arrays,
+    which the tests show hold the same numbers."""
+    from mlx_lm.utils import load, quantize_model
 
     config = li.load_config(model_dir)
-    weights = li.load_weights(model_dir, config, dtype)
-    model, _ = load(str(model_dir))
+    weights = li.load_weights(model_dir, config, dtype, bits)
+    model, _, raw_config = load(str(model_dir), lazy=True, return_config=True)
+    if bits:
+        model, _ = quantize_model(model, raw_config, li.GROUP_SIZE, bits)
     names = [name for name, _ in tree_flatten(model.parameters())]
     named = by_checkpoint_name(weights)
     model.update(tree_unflatten([(name, named[name]) for name in names]))
@@ -137,7 +150,9 @@ def main():
     ap.add_argument("--model", help="checkpoint folder (default: ./Qwen3-0.6B if present, else random weights)")
     ap.add_argument("--tiny", action="store_true", help="random 2-layer model instead of the 0.6B shape")
     ap.add_argument("--device", choices=["cpu", "gpu"], help="default: MLX's default device")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                    help="activations (and quantization scales); auto = bfloat16 on a GPU, float32 on the CPU")
+    ap.add_argument("--quantize", type=int, choices=[4, 8], help="quantize the weights at load, in both runtimes")
     ap.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
@@ -156,11 +171,12 @@ def main():
             model_dir = Path(tmp) / "model"
             print(f"writing a random-weight {'tiny' if args.tiny else 'Qwen3-0.6B-shaped'} checkpoint ...", flush=True)
             write_checkpoint(model_dir, TINY_CONFIG if args.tiny else None)
-        config, weights, model = load_pair(model_dir, dtype)
+        config, weights, model = load_pair(model_dir, dtype, args.quantize)
 
     unique = {id(w): w for w in by_checkpoint_name(weights).values()}  # a tied head is counted once
     weight_bytes = sum(w.nbytes for w in unique.values())
-    print(f"MLX {mx.__version__}, device {mx.default_device()}, dtype {str(dtype).split('.')[-1]}, "
+    bits = f", {args.quantize}-bit weights" if args.quantize else ""
+    print(f"MLX {mx.__version__}, device {mx.default_device()}, dtype {str(dtype).split('.')[-1]}{bits}, "
           f"{config.num_hidden_layers} layers, {weight_bytes / 1e9:.2f} GB of weights")
     if args.cache_lengths:
         cache_experiment(weights, config, args.cache_lengths, reps=args.reps)
