@@ -43,7 +43,7 @@ from tokenizers.decoders import DecodeStream
 # ================================================================================================
 
 # ------------------------------------------------------------------------------------------------
-# 1. Load: the hyper-parameters from config.json, the weights from model.safetensors
+# 1. Load: the hyper-parameters from config.json, the weights from *.safetensors
 # ------------------------------------------------------------------------------------------------
 
 class Config(NamedTuple):  # a NamedTuple: mx.compile accepts it as an argument (section 12)
@@ -85,10 +85,22 @@ LAYER_TENSORS = {
 }
 
 
+def weight_files(model_dir):
+    """model.safetensors, or, for larger models split into shards, the files that
+    model.safetensors.index.json lists: {"weight_map": {name: "model-00001-of-00002.safetensors"}}."""
+    model_dir = Path(model_dir)
+    if (model_dir / "model.safetensors").exists():  # the single file first, as transformers does
+        return [model_dir / "model.safetensors"]
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text(encoding="utf-8"))
+    return [model_dir / name for name in sorted(set(index["weight_map"].values()))]
+
+
 def load_weights(model_dir, config, dtype, bits=None):
     """{"embed_tokens", "layers": [{"q_proj": ..., ...} x 28], "norm", "lm_head"}, as `dtype`;
     with bits=4 or 8, every matrix is quantized as it is read (section 1b)."""
-    tensors = mx.load(str(Path(model_dir) / "model.safetensors"))  # lazy: nothing read yet
+    tensors = {}  # every tensor of every file, by name; lazy: nothing read yet
+    for path in weight_files(model_dir):
+        tensors |= mx.load(str(path))
 
     # Read and convert one tensor at a time, so the file's bfloat16 copy of everything never sits
     # beside the converted weights (in float32 that would peak at 1.5x the weights).
@@ -104,10 +116,15 @@ def load_weights(model_dir, config, dtype, bits=None):
 
     layers = [{short: tensor(f"model.layers.{i}.{name}") for short, name in LAYER_TENSORS.items()}
               for i in range(config.num_hidden_layers)]
-    embed_tokens = tensor("model.embed_tokens.weight")  # (151936, 1024)
     # Tied embeddings: the LM head *is* the embedding table (the same array: 311 MB not copied;
-    # quantized, the head multiplies by the quantized table).
-    lm_head = embed_tokens if config.tie_word_embeddings else tensor("lm_head.weight")
+    # quantized, the head multiplies by the quantized table). Untied ones (Qwen3-8B and up) store
+    # their own lm_head.weight. A tied checkpoint may store one too: a copy we drop, or a different
+    # matrix, which transformers then uses, and so do we (compared as stored, before converting).
+    head = tensors.get("lm_head.weight")
+    own_head = not config.tie_word_embeddings or (
+        head is not None and not mx.array_equal(head, tensors["model.embed_tokens.weight"]).item())
+    embed_tokens = tensor("model.embed_tokens.weight")  # (151936, 1024)
+    lm_head = tensor("lm_head.weight") if own_head else embed_tokens
     return {"embed_tokens": embed_tokens, "layers": layers, "norm": tensor("model.norm.weight"),
             "lm_head": lm_head}
 
@@ -528,6 +545,7 @@ HF_REPO = "Qwen/Qwen3-0.6B"
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json")
 NEEDED_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # the other two are optional
+WEIGHTS_INDEX = "model.safetensors.index.json"  # stands in for model.safetensors when sharded
 
 
 class UserError(Exception):
@@ -593,11 +611,33 @@ def weight_shapes(config):
     return shapes
 
 
-def check_weights(model_dir, config):
-    """Read model.safetensors' header (a length, then JSON: name -> dtype, shape, byte range) and
-    check that every tensor Part 1 needs is there, with its shape, inside the file (no weight is
-    read)."""
-    path = Path(model_dir) / "model.safetensors"
+def checked_weight_files(model_dir):
+    """Part 1's weight_files(), after checking a sharded checkpoint's index and that every shard it
+    names is there."""
+    model_dir = Path(model_dir)
+    index = model_dir / WEIGHTS_INDEX
+    if (model_dir / "model.safetensors").exists() or not index.exists():
+        return weight_files(model_dir)
+    try:
+        shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+    except OSError as e:
+        raise UserError(f"cannot read {index}: {e.strerror or e}")
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, AttributeError):
+        shards = None
+    # Plain names of files beside the index: a path such as "../x" would read outside the folder.
+    if not shards or not all(isinstance(name, str) and Path(name).name == name for name in shards):
+        raise UserError(f"{index} is not a valid index of shards (a JSON object whose "
+                        "'weight_map' names a file for each tensor); re-download it")
+    missing = sorted(name for name in shards if not (model_dir / name).is_file())
+    if missing:
+        raise UserError(f"{model_dir} lacks {missing[0]}, one of the {len(shards)} shards named in "
+                        f"{WEIGHTS_INDEX} ({len(missing)} missing); re-download it")
+    return weight_files(model_dir)
+
+
+def read_header(path):
+    """A safetensors file starts with a length, then JSON: tensor name -> dtype, shape, byte range
+    after the header. Returns (header, where the tensor bytes start, the file's size)."""
     try:
         with path.open("rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -612,10 +652,25 @@ def check_weights(model_dir, config):
     if not isinstance(header, dict):
         raise UserError(f"{path} is not a readable safetensors file (no valid header); "
                         "re-download it")
-    for name, shape in weight_shapes(config).items():
-        entry = header.get(name)
-        if not isinstance(entry, dict):
-            raise UserError(f"{path} lacks the tensor {name!r}")
+    return header, 8 + header_size, size
+
+
+def check_weights(model_dir, config):
+    """Read the weight files' headers and check that every tensor Part 1 needs is there, with its
+    shape and a dtype it reads, inside its file (no weight is read)."""
+    files = checked_weight_files(model_dir)
+    found = {}  # tensor name -> (file, its header entry, where the file's tensor bytes start, size)
+    for path in files:
+        header, start, size = read_header(path)
+        found |= {name: (path, entry, start, size) for name, entry in header.items()}
+    expected = weight_shapes(config)
+    if "lm_head.weight" in found:  # a tied checkpoint's extra head is loaded too (section 1)
+        expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    for name, shape in expected.items():
+        if name not in found or not isinstance(found[name][1], dict):
+            where = files[0] if len(files) == 1 else f"the sharded checkpoint {model_dir}"
+            raise UserError(f"{where} lacks the tensor {name!r}")
+        path, entry, start, size = found[name]
         stored, offsets = entry.get("shape"), entry.get("data_offsets")
         if not isinstance(stored, list) or not isinstance(offsets, list) or len(offsets) != 2:
             raise UserError(f"{path} is damaged (a malformed header entry for {name!r}); "
@@ -625,7 +680,7 @@ def check_weights(model_dir, config):
         if entry.get("dtype") not in ("BF16", "F16", "F32"):
             raise UserError(f"{path}: tensor {name!r} is stored as {entry.get('dtype')}, "
                             "expected BF16, F16 or F32")
-        if not isinstance(offsets[1], int) or 8 + header_size + offsets[1] > size:
+        if not isinstance(offsets[1], int) or start + offsets[1] > size:
             raise UserError(f"{path} is damaged (it ends inside tensor {name!r}: an interrupted "
                             "download?); re-download it")
 
@@ -666,11 +721,12 @@ def load_model(model_dir, dtype, bits=None):
     except Exception as e:  # the Rust library raises a plain Exception for any unreadable file
         raise UserError(f"cannot load {path} ({e}); re-download it")
     generation_config = load_generation_config(model_dir)
-    path = Path(model_dir) / "model.safetensors"
     try:
         weights = load_weights(model_dir, config, dtype, bits)
-    except (RuntimeError, ValueError, OSError) as e:  # e.g. a read error halfway through the file
-        raise UserError(f"{path} is damaged ({e}); re-download it")
+    except (RuntimeError, ValueError, OSError) as e:  # e.g. a read error halfway through a file
+        files = weight_files(model_dir)
+        where = files[0] if len(files) == 1 else f"a shard in {model_dir}"
+        raise UserError(f"{where} is damaged ({e}); re-download it")
     return config, weights, tokenizer, generation_config
 
 
@@ -721,10 +777,18 @@ def download_model(model_dir):
             shutil.rmtree(staging, ignore_errors=True)
 
 
+def missing_files(model_dir):
+    """The NEEDED_FILES model_dir lacks; a sharded checkpoint's index stands in for
+    model.safetensors (check_weights then checks its shards)."""
+    sharded = (model_dir / WEIGHTS_INDEX).is_file()
+    return [name for name in NEEDED_FILES if not (model_dir / name).is_file()
+            and not (name == "model.safetensors" and sharded)]
+
+
 def find_model(model_arg, allow_download):
     """The model folder to use; downloads the default one when it is missing or incomplete."""
     model_dir = Path(model_arg) if model_arg else default_model_dir()
-    missing = [name for name in NEEDED_FILES if not (model_dir / name).is_file()]
+    missing = missing_files(model_dir)
     if not missing:
         return model_dir
     if model_dir.is_dir():
@@ -732,7 +796,8 @@ def find_model(model_arg, allow_download):
     else:
         what = f"model folder {model_dir} not found"
     if model_arg:  # an explicit folder is never filled with 0.6B files: it may hold another model
-        raise UserError(f"{what}; point --model at a folder with {', '.join(NEEDED_FILES)}")
+        raise UserError(f"{what}; point --model at a folder with {', '.join(NEEDED_FILES)} "
+                        f"(or {WEIGHTS_INDEX} and its shards)")
     if not allow_download:
         raise UserError(f"{what} and --no-download was given; "
                         f"fetch it with: {download_command(model_dir)}")

@@ -406,6 +406,8 @@ def write_checkpoint(
     config_overrides: dict | None = None,
     seed: int = 0,
     dtype: str = "bfloat16",
+    shards: int = 1,
+    tied_head: str | None = None,
 ) -> Path:
     """Write a random-weight Qwen3 checkpoint in Hugging Face layout.
 
@@ -413,6 +415,12 @@ def write_checkpoint(
     tokenizer_config.json and model.safetensors.  ``config_overrides`` are
     applied on top of Qwen3-0.6B's config (e.g. ``TINY_CONFIG``).  ``dtype``
     is "bfloat16" (what HF ships) or "float32".  Returns ``folder``.
+
+    ``shards=N`` (N > 1) splits the weights as Hugging Face does for larger
+    models: ``model-0000i-of-0000N.safetensors`` files, each holding a run of
+    consecutive tensors, plus ``model.safetensors.index.json`` mapping every
+    tensor name to its file.  ``tied_head`` (tied configs only) also stores an
+    ``lm_head.weight``: "same" a copy of the embedding, "different" random.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -426,5 +434,27 @@ def write_checkpoint(
     write_tokenizer_json(folder / "tokenizer.json")
 
     weights = random_weights(config, seed=seed, dtype=mx_dtype)
-    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+    if tied_head is not None:
+        assert config["tie_word_embeddings"], "tied_head only applies to tied checkpoints"
+        embedding = weights["model.embed_tokens.weight"]
+        if tied_head == "same":
+            weights["lm_head.weight"] = mx.array(embedding)
+        else:
+            untied = random_weights({**config, "tie_word_embeddings": False}, seed=seed + 1000)
+            weights["lm_head.weight"] = untied["lm_head.weight"].astype(mx_dtype)
+    if shards == 1:
+        mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+        return folder
+
+    names = list(weights)
+    weight_map = {}
+    for i in range(shards):
+        filename = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        chunk = names[i * len(names) // shards : (i + 1) * len(names) // shards]
+        mx.save_safetensors(str(folder / filename), {n: weights[n] for n in chunk},
+                            metadata={"format": "pt"})
+        weight_map |= {name: filename for name in chunk}
+    total_size = sum(w.nbytes for w in weights.values())
+    _write_json(folder / "model.safetensors.index.json",
+                {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})
     return folder

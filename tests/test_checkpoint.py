@@ -144,3 +144,26 @@ def test_random_model_is_not_degenerate(tiny_mlx, prompt):
     assert len(tokens) == 32
     assert len(set(tokens)) >= 8
     assert 0.01 < np.median(top1) < 0.9
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_sharded_checkpoint_is_the_single_file_split(tmp_path, tie):
+    """shards=3 writes Hugging Face's layout: transformers reads it through the index, with the same
+    tensors as the single-file checkpoint of the same seed."""
+    overrides = {**TINY_CONFIG, "tie_word_embeddings": tie}
+    single = write_checkpoint(tmp_path / "single", overrides, seed=7)
+    sharded = write_checkpoint(tmp_path / "sharded", overrides, seed=7, shards=3)
+    names = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert sorted(p.name for p in sharded.glob("*.safetensors")) == names
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    _, tensors = read_tensors(single)
+    assert set(index) == {"metadata", "weight_map"}
+    assert index["metadata"] == {"total_size": sum(t.nbytes for t in tensors.values())}
+    assert set(index["weight_map"]) == set(tensors) and set(index["weight_map"].values()) == set(names)
+    for name, file in index["weight_map"].items():
+        with safe_open(sharded / file, framework="pt") as f:
+            assert torch.equal(f.get_tensor(name), tensors[name]), name
+    model, info = Qwen3ForCausalLM.from_pretrained(sharded, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, tensors.get(name, tensors["model.embed_tokens.weight"]).float()), name

@@ -486,6 +486,59 @@ def test_tensor_wrong_shape(tiny_model, variant, tmp_path):
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, repr(name), "(64, 32)", "(32, 64)")
 
 
+@pytest.fixture(scope="session")
+def sharded_model(tmp_path_factory):
+    """The tiny model's very weights (same seed), split into three shards with an index."""
+    return write_checkpoint(tmp_path_factory.mktemp("models") / "tiny-sharded", TINY_CONFIG, shards=3)
+
+
+def test_sharded_checkpoint_gives_the_same_text(sharded_model, greedy_24, tmp_path):
+    assert not (sharded_model / "model.safetensors").exists()
+    text, _, _, n_generated = parse_success(run_cli("--model", sharded_model, "--max-tokens", 24,
+                                                    cwd=tmp_path))
+    assert text == greedy_24 and n_generated == 24
+
+
+def shard_of(folder, name):
+    return json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"][name]
+
+
+def test_shard_missing(sharded_model, tmp_path):
+    folder = shutil.copytree(sharded_model, tmp_path / "m")
+    (folder / "model-00002-of-00003.safetensors").unlink()
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
+                          f"{folder} lacks model-00002-of-00003.safetensors", "3 shards", "1 missing")
+
+
+@pytest.mark.parametrize("index", [b"{oops", b'{"metadata": {}}', b'{"weight_map": []}',
+                                   b'{"weight_map": {"model.norm.weight": "../model.safetensors"}}'],
+                         ids=["not JSON", "no weight_map", "weight_map a list", "path outside"])
+def test_shard_index_invalid(sharded_model, tmp_path, index):
+    folder = shutil.copytree(sharded_model, tmp_path / "m")
+    (folder / "model.safetensors.index.json").write_bytes(index)
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
+                          f"{folder / 'model.safetensors.index.json'} is not a valid index")
+
+
+def test_sharded_tensor_missing(sharded_model, tmp_path):
+    name = "model.layers.1.mlp.up_proj.weight"
+    folder = shutil.copytree(sharded_model, tmp_path / "m")
+    shard = folder / shard_of(folder, name)
+    tensors = mx.load(str(shard))
+    del tensors[name]
+    mx.save_safetensors(str(shard), tensors, metadata={"format": "pt"})
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
+                          f"the sharded checkpoint {folder} lacks the tensor {name!r}")
+
+
+def test_shard_truncated(sharded_model, tmp_path):
+    folder = shutil.copytree(sharded_model, tmp_path / "m")
+    shard = folder / shard_of(folder, "model.norm.weight")
+    shard.write_bytes(shard.read_bytes()[:-10])
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, f"{shard} is damaged",
+                          "re-download")
+
+
 def test_tokenizer_garbage(variant, tmp_path):
     folder = variant(tokenizer_json=b"not a tokenizer")
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, f"cannot load {folder / 'tokenizer.json'}")

@@ -50,6 +50,12 @@ CHECKPOINTS = {
          "num_hidden_layers": 3, "max_window_layers": 3},
         2,
     ),
+    # Split into shards with an index, as Qwen3-1.7B and larger ship.
+    "sharded_tied": (TINY_CONFIG, 3, {"shards": 2}),
+    "sharded_untied": ({**TINY_CONFIG, "tie_word_embeddings": False}, 4, {"shards": 3}),
+    # Tied in config.json, yet the file also holds a different lm_head.weight: transformers 5 then
+    # leaves the two untied and uses the stored head (checked below), and so must we.
+    "tied_differing_head": (TINY_CONFIG, 5, {"tied_head": "different"}),
 }
 
 
@@ -68,15 +74,19 @@ def case(request, tmp_path_factory):
     """Build one checkpoint, load it into both implementations, run HF once and keep its results."""
     torch.set_grad_enabled(False)
     torch.manual_seed(0)  # nothing in HF's eager float32 path is random; pinned anyway
-    overrides, seed = CHECKPOINTS[request.param]
-    folder = write_checkpoint(tmp_path_factory.mktemp(request.param), overrides, seed=seed)
+    overrides, seed, *options = CHECKPOINTS[request.param]
+    folder = write_checkpoint(tmp_path_factory.mktemp(request.param), overrides, seed=seed,
+                              **(options[0] if options else {}))
 
     # transformers 5 takes `dtype` (`torch_dtype` is its deprecated alias). The file holds bfloat16, which
     # both sides widen exactly to float32, so both start from bit-identical weights.
     hf = transformers.Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     hf.eval()
-    if not overrides.get("tie_word_embeddings", True):  # make sure HF really uses a separate head
+    separate_head = not overrides.get("tie_word_embeddings", True) or bool(options and "tied_head" in options[0])
+    if separate_head:  # make sure HF really uses a separate head
         assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)
+    else:
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     # generation_config.json lists <|im_end|>/<|endoftext|> as EOS; drop them so HF always makes N_NEW
     # tokens, like our generate(..., eos_ids=()). (Unlike min_new_tokens, this does not mask EOS logits,
     # which would change the greedy choice if EOS ever won.) do_sample=False ignores the file's
@@ -86,6 +96,7 @@ def case(request, tmp_path_factory):
 
     config = li.load_config(folder)
     weights = li.load_weights(folder, config, mx.float32)
+    assert (weights["lm_head"] is not weights["embed_tokens"]) == separate_head
     tokenizer = li.load_tokenizer(folder)
     prompts = {name: tokenizer.encode(text).ids for name, text in PROMPTS.items()}
 

@@ -10,23 +10,33 @@ import llm_inference as li
 from tests.checkpoint import TINY_CONFIG, write_checkpoint
 from tests.kernels import kernels
 
-CONFIGS = {
-    "tied": TINY_CONFIG,
-    "untied": TINY_CONFIG | {"tie_word_embeddings": False},
-    "8q-2kv": TINY_CONFIG | {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 3},
+CONFIGS = {  # name: (config overrides, number of weight files)
+    "tied": (TINY_CONFIG, 1),
+    "untied": (TINY_CONFIG | {"tie_word_embeddings": False}, 1),
+    "8q-2kv": (TINY_CONFIG | {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+                              "num_hidden_layers": 3}, 1),
+    "sharded-tied": (TINY_CONFIG, 2),
+    "sharded-untied": (TINY_CONFIG | {"tie_word_embeddings": False}, 3),
 }
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def checkpoint(request, tmp_path_factory):
-    folder = write_checkpoint(tmp_path_factory.mktemp(request.param), CONFIGS[request.param], seed=1)
+    overrides, shards = CONFIGS[request.param]
+    folder = write_checkpoint(tmp_path_factory.mktemp(request.param), overrides, seed=1, shards=shards)
     config = li.load_config(folder)
     return folder, config, li.load_weights(folder, config, mx.float32), li.load_tokenizer(folder)
 
 
+def stored_tensors(folder):
+    """Every tensor of every *.safetensors file in the folder, by name."""
+    files = sorted(folder.glob("*.safetensors"))
+    return {name: tensor for path in files for name, tensor in mx.load(str(path)).items()}
+
+
 def test_weights_are_held_per_layer_under_short_names(checkpoint):
     folder, config, weights, _ = checkpoint
-    stored = mx.load(str(folder / "model.safetensors"))
+    stored = stored_tensors(folder)
     assert len(weights["layers"]) == config.num_hidden_layers
     for i, layer in enumerate(weights["layers"]):
         assert set(layer) == set(li.LAYER_TENSORS)
