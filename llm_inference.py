@@ -101,13 +101,20 @@ def load_weights(model_dir, config, dtype, bits=None):
     tensors = {}  # every tensor of every file, by name; lazy: nothing read yet
     for path in weight_files(model_dir):
         tensors |= mx.load(str(path))
+    stored = stored_quantization(model_dir)  # {} unless the checkpoint is stored quantized (1b)
 
     # Read and convert one tensor at a time, so the file's bfloat16 copy of everything never sits
     # beside the converted weights (in float32 that would peak at 1.5x the weights).
     def tensor(name):
         weight = tensors.pop(name)
+        stem = name.removesuffix(".weight")
+        if f"{stem}.scales" in tensors:  # stored quantized: the integers are used as they are
+            how = stored.get(stem, stored)  # a layer may have settings of its own
+            weight = Quantized(weight, tensors.pop(f"{stem}.scales").astype(dtype),
+                               tensors.pop(f"{stem}.biases").astype(dtype),
+                               how["group_size"], how["bits"])
         # Matrices whose rows split into whole groups (all of Qwen3's); mlx-lm leaves others as is.
-        if bits and weight.ndim == 2 and weight.shape[1] % GROUP_SIZE == 0:
+        elif bits and weight.ndim == 2 and weight.shape[1] % GROUP_SIZE == 0:
             weight = quantize(weight, bits, dtype)
         else:
             weight = weight.astype(dtype)
@@ -173,6 +180,16 @@ def quantize(weight, bits, dtype):
     them exactly)."""
     q, scales, biases = mx.quantize(weight, group_size=GROUP_SIZE, bits=bits)  # affine mode
     return Quantized(q, scales.astype(dtype), biases.astype(dtype), GROUP_SIZE, bits)
+
+
+def stored_quantization(model_dir):
+    """How a checkpoint stored already quantized was made: config.json's "quantization" entry, as
+    mlx_lm.convert writes it (mlx-community's and Qwen's own "-MLX-4bit" models). Each quantized
+    matrix x.weight is then stored as three tensors: x.weight (the packed uint32), x.scales and
+    x.biases. Returns {"group_size": 64, "bits": 4, "mode": "affine"} plus, for the layers quantized
+    differently (mixed precision), their own settings by name; {} for a checkpoint in floats."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    return raw.get("quantization") or {}
 
 
 def linear(x, weight):
@@ -586,6 +603,31 @@ def check_config(model_dir):
             kind(raw[name])
         except (TypeError, ValueError):
             raise UserError(f"{path}: {name!r} should be a number, got {raw[name]!r}")
+    check_quantization(path, raw)
+
+
+def check_quantization(path, raw):
+    """A checkpoint stored quantized must be in MLX's format, with settings MLX's kernels take:
+    affine mode, 2 to 8 bits, groups of 32, 64 or 128 (what section 1b reads); else one line."""
+    quantization = raw.get("quantization")
+    if quantization is None:
+        other = raw.get("quantization_config")  # how transformers describes GPTQ, AWQ, FP8, ...
+        if other:
+            method = other.get("quant_method") if isinstance(other, dict) else other
+            raise UserError(f"{path}: the weights are quantized with {method!r}, which this script "
+                            "does not read; use an unquantized or an MLX-format (mlx_lm.convert) "
+                            "checkpoint")
+        return
+    if not isinstance(quantization, dict):
+        raise UserError(f"{path}: 'quantization' should be an object such as "
+                        f'{{"group_size": 64, "bits": 4}}, got {quantization!r}')
+    layers = {name: how for name, how in quantization.items() if isinstance(how, dict)}
+    for layer, how in ({"": quantization} | layers).items():
+        mode, bits, group = how.get("mode", "affine"), how.get("bits"), how.get("group_size")
+        if mode != "affine" or bits not in (2, 3, 4, 5, 6, 8) or group not in (32, 64, 128):
+            raise UserError(f"{path} asks for {mode} quantization at {bits} bits in groups of "
+                            f"{group}{f' for {layer}' if layer else ''}; this script reads affine "
+                            "quantization at 2-6 or 8 bits in groups of 32, 64 or 128")
 
 
 def weight_shapes(config):
@@ -666,6 +708,16 @@ def check_weights(model_dir, config):
     expected = weight_shapes(config)
     if "lm_head.weight" in found:  # a tied checkpoint's extra head is loaded too (section 1)
         expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    dtypes = dict.fromkeys(expected, ("BF16", "F16", "F32"))
+    stored = stored_quantization(model_dir)
+    for name, (rows, columns) in [(n, s) for n, s in expected.items() if len(s) == 2]:
+        stem = name.removesuffix(".weight")
+        if stored and f"{stem}.scales" in found:  # stored quantized (section 1b)
+            how = stored.get(stem, stored)
+            expected[name], dtypes[name] = (rows, columns * how["bits"] // 32), ("U32",)
+            for part in ("scales", "biases"):
+                expected[f"{stem}.{part}"] = (rows, columns // how["group_size"])
+                dtypes[f"{stem}.{part}"] = ("BF16", "F16", "F32")
     for name, shape in expected.items():
         if name not in found or not isinstance(found[name][1], dict):
             where = files[0] if len(files) == 1 else f"the sharded checkpoint {model_dir}"
@@ -677,9 +729,9 @@ def check_weights(model_dir, config):
                             "re-download it")
         if tuple(stored) != shape:
             raise UserError(f"{path}: tensor {name!r} has shape {tuple(stored)}, expected {shape}")
-        if entry.get("dtype") not in ("BF16", "F16", "F32"):
+        if entry.get("dtype") not in dtypes[name]:
             raise UserError(f"{path}: tensor {name!r} is stored as {entry.get('dtype')}, "
-                            "expected BF16, F16 or F32")
+                            f"expected {'U32' if dtypes[name] == ('U32',) else 'BF16, F16 or F32'}")
         if not isinstance(offsets[1], int) or start + offsets[1] > size:
             raise UserError(f"{path} is damaged (it ends inside tensor {name!r}: an interrupted "
                             "download?); re-download it")
@@ -714,6 +766,10 @@ def load_model(model_dir, dtype, bits=None):
     Returns (config, weights, tokenizer, generation config)."""
     check_config(model_dir)
     config = load_config(model_dir)
+    stored_bits = stored_quantization(model_dir).get("bits")
+    if bits and stored_bits and bits != stored_bits:
+        raise UserError(f"{model_dir} is already quantized to {stored_bits} bits; drop --quantize "
+                        "or point --model at the unquantized model")
     check_weights(model_dir, config)
     path = Path(model_dir) / "tokenizer.json"
     try:
@@ -1021,6 +1077,7 @@ def main(argv=None):
     model_dir = find_model(args.model, allow_download=not args.no_download)
     dtype = pick_dtype(args.dtype)
     config, weights, tokenizer, generation_config = load_model(model_dir, dtype, args.quantize)
+    bits = args.quantize or stored_quantization(model_dir).get("bits")
     eos_ids = eos_token_ids(generation_config, tokenizer)
     sampling = sampling_settings(args, generation_config)
     FUSED_KERNELS = not args.reference_ops  # set once, before anything runs or is compiled
@@ -1038,7 +1095,7 @@ def main(argv=None):
     c = config
     print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
           f"{c.num_attention_heads} Q heads, {c.num_key_value_heads} KV heads) on {device_name()}, "
-          f"{str(dtype).split('.')[-1]}{f', {args.quantize}-bit weights' if args.quantize else ''}",
+          f"{str(dtype).split('.')[-1]}{f', {bits}-bit weights' if bits else ''}",
           file=sys.stderr)
     if sampling.temperature == 0:
         how = "greedy"

@@ -539,6 +539,58 @@ def test_shard_truncated(sharded_model, tmp_path):
                           "re-download")
 
 
+@pytest.fixture(scope="session")
+def converted_4bit(tiny_model, tmp_path_factory):
+    """The tiny model converted by mlx-lm to 4 bits, its weights in MLX's quantized format."""
+    from mlx_lm import convert
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-4bit"
+    convert(hf_path=str(tiny_model), mlx_path=str(folder), quantize=True, q_bits=4, q_group_size=64)
+    return folder
+
+
+def test_mlx_quantized_folder_gives_the_quantize_text(tiny_model, converted_4bit, tmp_path):
+    expected = Reference(tiny_model, li.pick_dtype("auto"), 4).text(PROMPT, 24)
+    for flags in ([], ["--quantize", "4"]):  # --quantize with the folder's own bits changes nothing
+        text, lines, _, _ = parse_success(run_cli("--model", converted_4bit, "--max-tokens", 24, *flags,
+                                                  cwd=tmp_path))
+        assert lines[0].endswith(", 4-bit weights")
+        assert text == expected
+
+
+def test_quantize_other_bits_than_the_folder(converted_4bit, tmp_path):
+    assert_one_line_error(run_cli("--model", converted_4bit, "--quantize", "8", cwd=tmp_path), 1,
+                          "already quantized to 4 bits", "--quantize")
+
+
+@pytest.mark.parametrize("quantization, needles", [
+    ({"quantization": {"group_size": 64, "bits": 7}}, ["7 bits"]),
+    ({"quantization": {"group_size": 64, "bits": 4, "mode": "mxfp4"}}, ["mxfp4"]),
+    ({"quantization": {"group_size": 100, "bits": 4}}, ["groups of 100"]),
+    ({"quantization": {"group_size": 64, "bits": 4, "model.layers.0.mlp.up_proj": {"group_size": 64, "bits": 7}}},
+     ["model.layers.0.mlp.up_proj", "7 bits"]),
+    ({"quantization": "4bit"}, ["quantization"]),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, ["gptq"]),
+], ids=["bits 7", "mxfp4", "group 100", "layer bits 7", "not a dict", "gptq"])
+def test_quantization_not_supported(converted_4bit, tmp_path, quantization, needles):
+    folder = shutil.copytree(converted_4bit, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization"], config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config | quantization))
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, *needles)
+
+
+def test_quantized_tensor_wrong_shape(converted_4bit, tmp_path):
+    """config.json says 8 bits, the tensors hold 4: the packed shape gives it away before loading."""
+    folder = shutil.copytree(converted_4bit, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization"] = config["quantization_config"] = {"group_size": 64, "bits": 8}
+    (folder / "config.json").write_text(json.dumps(config))
+    name = "model.embed_tokens.weight"  # (151936, 64): packed 4-bit (151936, 8), 8-bit (151936, 16)
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, repr(name), "(151936, 8)",
+                          "(151936, 16)")
+
+
 def test_tokenizer_garbage(variant, tmp_path):
     folder = variant(tokenizer_json=b"not a tokenizer")
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, f"cannot load {folder / 'tokenizer.json'}")

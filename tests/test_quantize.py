@@ -1,5 +1,5 @@
 """Quantization: each quantized product against MLX's own dequantize + matmul, --quantize against the
-folder mlx-lm's converter writes, and the quantized model against mlx-lm running that folder."""
+folder mlx-lm's converter writes, that folder loaded directly, and both against mlx-lm running it."""
 
 import json
 
@@ -24,11 +24,17 @@ def folder(request, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=[4, 8])
 def converted(request, folder):
-    """(bits, the folder mlx_lm.convert writes from `folder` at that many bits)."""
-    out = folder.parent / f"mlx-{request.param}bit"
+    """(bits, the folder mlx_lm.convert writes from `folder`): 4 or 8 bits, or the "mixed_3_6" recipe
+    (3 bits, 6 for some layers: settings per layer in config.json)."""
+    recipe = request.param
+    out = folder.parent / f"mlx-{recipe}"
     if not out.exists():
-        convert(hf_path=str(folder), mlx_path=str(out), quantize=True, q_bits=request.param, q_group_size=64)
-    return request.param, out
+        if recipe == "mixed_3_6":
+            convert(hf_path=str(folder), mlx_path=str(out), quantize=True, quant_predicate=recipe,
+                    q_group_size=64)
+        else:
+            convert(hf_path=str(folder), mlx_path=str(out), quantize=True, q_bits=recipe, q_group_size=64)
+    return recipe, out
 
 
 def dequantized(q):
@@ -97,10 +103,37 @@ def test_quantize_at_load_equals_mlx_lm_convert(folder, converted):
                 assert mx.array_equal(t, theirs[f"{name}.weight"].astype(dtype))
 
 
-def test_quantized_model_matches_mlx_lm_on_the_converted_folder(folder, converted):
+def equal_weights(a, b):
+    if isinstance(a, li.Quantized):
+        return (a.group_size, a.bits) == (b.group_size, b.bits) and all(
+            mx.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a[:3], b[:3]))
+    return mx.array_equal(a, b) and a.dtype == b.dtype
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_converted_folder_loads_as_quantized_at_load(folder, converted, dtype):
+    bits, out = converted
+    config = li.load_config(out)
+    assert config == li.load_config(folder)
+    direct, at_load = li.load_weights(out, config, dtype), li.load_weights(folder, config, dtype, bits)
+    assert isinstance(direct["embed_tokens"], li.Quantized)
+    assert (direct["lm_head"] is direct["embed_tokens"]) == config.tie_word_embeddings
+    for key in ("embed_tokens", "norm", "lm_head"):
+        assert equal_weights(direct[key], at_load[key]), key
+    for ours, theirs in zip(direct["layers"], at_load["layers"]):
+        assert all(equal_weights(ours[short], theirs[short]) for short in li.LAYER_TENSORS)
+
+
+@pytest.mark.parametrize("converted, source", [(4, "at load"), (8, "at load"), (4, "converted"),
+                                               (8, "converted"), ("mixed_3_6", "converted")],
+                         indirect=["converted"])
+def test_quantized_model_matches_mlx_lm_on_the_converted_folder(folder, converted, source):
     bits, out = converted
     config = li.load_config(folder)
-    weights = li.load_weights(folder, config, mx.float32, bits=bits)
+    if source == "at load":  # --quantize on the original checkpoint
+        weights = li.load_weights(folder, config, mx.float32, bits=bits)
+    else:  # the converted folder, read as it is
+        weights = li.load_weights(out, config, mx.float32)
     model, tokenizer = mlx_lm_load(str(out))
     model.set_dtype(mx.float32)  # scales, biases and norms; the packed integers stay uint32
     ids = tokenizer.encode(PROMPT)
