@@ -438,9 +438,10 @@ def forward(token_ids, weights, config, cache, last_only=True):
     for layer, layer_cache in zip(weights["layers"], cache):
         x = transformer_block(x, layer, config, layer_cache)
     if last_only:  # generating needs only the next token: skip (seq-1) x 151936 dot products
-        x = x[-1]
+        x = x[-1:]  # (1, 1024): still a matrix, which MLX's quantized_matmul on CUDA requires
     x = rms_norm(x, weights["norm"], config.rms_norm_eps)
-    return linear(x, weights["lm_head"])  # (vocab,) or (seq, vocab): a score (logit) per token
+    logits = linear(x, weights["lm_head"])  # (1 or seq, vocab): a score (logit) per token
+    return logits[0] if last_only else logits
 
 
 # ------------------------------------------------------------------------------------------------
