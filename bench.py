@@ -110,6 +110,23 @@ def step_breakdown(weights, config, model, context=128, steps=30):
     return result
 
 
+def quantization_error(model_dir, weights):
+    """{matrix: relative error ‖x Ŵᵀ - x Wᵀ‖ / ‖x Wᵀ‖} for layer 0's matrices, W as the checkpoint stores
+    it, Ŵ quantized (--quantize), x 64 random float32 rows."""
+    stored = {}
+    for path in li.weight_files(model_dir):
+        stored |= mx.load(str(path))
+    errors = {}
+    for short in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        w = stored[f"model.layers.0.{li.LAYER_TENSORS[short]}"].astype(mx.float32)
+        q = weights["layers"][0][short]
+        q = q._replace(scales=q.scales.astype(mx.float32), biases=q.biases.astype(mx.float32))
+        x = mx.random.normal((64, w.shape[1]), key=mx.random.key(3))
+        exact = x @ w.T
+        errors[short] = (mx.linalg.norm(li.linear(x, q) - exact) / mx.linalg.norm(exact)).item()
+    return errors
+
+
 def by_checkpoint_name(weights):
     """Our weights (short names, per layer) under their checkpoint names; a quantized matrix x.weight
     as its three arrays x.weight, x.scales, x.biases, as mlx-lm names them."""
@@ -172,6 +189,10 @@ def main():
             print(f"writing a random-weight {'tiny' if args.tiny else 'Qwen3-0.6B-shaped'} checkpoint ...", flush=True)
             write_checkpoint(model_dir, TINY_CONFIG if args.tiny else None)
         config, weights, model = load_pair(model_dir, dtype, args.quantize)
+        if args.quantize:
+            errors = quantization_error(model_dir, weights)
+            print(f"{args.quantize}-bit quantization, relative error of layer 0's products (‖x Ŵᵀ - x Wᵀ‖ / "
+                  f"‖x Wᵀ‖): " + ", ".join(f"{name} {e:.4f}" for name, e in errors.items()))
 
     unique = {id(w): w for w in by_checkpoint_name(weights).values()}  # a tied head is counted once
     weight_bytes = sum(w.nbytes for w in unique.values())

@@ -171,7 +171,7 @@ class Quantized(NamedTuple):  # a NamedTuple, so compiled functions (section 12)
     scales: mx.array  # (out, in / group_size): one per group, in the activations' dtype
     biases: mx.array  # (out, in / group_size)
     group_size: int
-    bits: int  # 4 or 8
+    bits: int  # 4 or 8 with --quantize; a stored checkpoint may use 2 to 8
 
 
 def quantize(weight, bits, dtype):
