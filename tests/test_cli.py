@@ -558,6 +558,25 @@ def test_mlx_quantized_folder_gives_the_quantize_text(tiny_model, converted_4bit
         assert text == expected
 
 
+def test_sharded_mlx_quantized_folder(tiny_model, converted_4bit, tmp_path):
+    """mlx-community's larger models come in shards: the converted tensors split over two files."""
+    folder = tmp_path / "sharded-4bit"
+    folder.mkdir()
+    for source in converted_4bit.iterdir():
+        if not source.name.startswith("model.safetensors"):
+            shutil.copyfile(source, folder / source.name)
+    tensors = mx.load(str(converted_4bit / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, shard_names in shards.items():
+        mx.save_safetensors(str(folder / shard), {name: tensors[name] for name in shard_names})
+    index = {"weight_map": {name: shard for shard, shard_names in shards.items() for name in shard_names}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    expected = Reference(tiny_model, li.pick_dtype("auto"), 4).text(PROMPT, 24)
+    text, _, _, _ = parse_success(run_cli("--model", folder, "--max-tokens", 24, cwd=tmp_path))
+    assert text == expected
+
+
 def test_quantize_other_bits_than_the_folder(converted_4bit, tmp_path):
     assert_one_line_error(run_cli("--model", converted_4bit, "--quantize", "8", cwd=tmp_path), 1,
                           "already quantized to 4 bits", "--quantize")
