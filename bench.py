@@ -189,6 +189,7 @@ def main():
             print(f"writing a random-weight {'tiny' if args.tiny else 'Qwen3-0.6B-shaped'} checkpoint ...", flush=True)
             write_checkpoint(model_dir, TINY_CONFIG if args.tiny else None)
         config, weights, model = load_pair(model_dir, dtype, args.quantize)
+        stored_bits = li.stored_quantization(model_dir).get("bits")  # a folder stored quantized
         if args.quantize:
             errors = quantization_error(model_dir, weights)
             print(f"{args.quantize}-bit quantization, relative error of layer 0's products (‖x Ŵᵀ - x Wᵀ‖ / "
@@ -196,7 +197,7 @@ def main():
 
     unique = {id(w): w for w in by_checkpoint_name(weights).values()}  # a tied head is counted once
     weight_bytes = sum(w.nbytes for w in unique.values())
-    bits = f", {args.quantize}-bit weights" if args.quantize else ""
+    bits = f", {args.quantize or stored_bits}-bit weights" if args.quantize or stored_bits else ""
     print(f"MLX {mx.__version__}, device {mx.default_device()}, dtype {str(dtype).split('.')[-1]}{bits}, "
           f"{config.num_hidden_layers} layers, {weight_bytes / 1e9:.2f} GB of weights")
     if args.cache_lengths:
