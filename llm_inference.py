@@ -710,11 +710,11 @@ def check_weights(model_dir, config):
     if "lm_head.weight" in found:  # a tied checkpoint's extra head is loaded too (section 1)
         expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)
     dtypes = dict.fromkeys(expected, ("BF16", "F16", "F32"))
-    stored = stored_quantization(model_dir)
+    quantization = stored_quantization(model_dir)
     for name, (rows, columns) in [(n, s) for n, s in expected.items() if len(s) == 2]:
         stem = name.removesuffix(".weight")
-        if stored and f"{stem}.scales" in found:  # stored quantized (section 1b)
-            how = stored.get(stem, stored)
+        if quantization and f"{stem}.scales" in found:  # stored quantized (section 1b)
+            how = quantization.get(stem, quantization)
             expected[name], dtypes[name] = (rows, columns * how["bits"] // 32), ("U32",)
             for part in ("scales", "biases"):
                 expected[f"{stem}.{part}"] = (rows, columns // how["group_size"])
