@@ -11,6 +11,7 @@ mlx-lm, and the decode ceiling set by memory bandwidth (every weight byte is rea
 """
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -81,6 +82,31 @@ def measure_bandwidth(dtype, nbytes=1 << 30):
         times.append(time.perf_counter() - start)
     del w
     return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def matmul_speeds(n=4096, reps=20):
+    """Median ms of one (1, n) x (n, n) product: float32, bfloat16, and quantized at 8 and 4 bits with
+    float32 or bfloat16 activations and scales (the question: does --quantize pay on this device?)."""
+    w = (mx.random.normal((n, n), key=mx.random.key(4)) / math.sqrt(n)).astype(mx.bfloat16)
+    x = mx.random.normal((1, n), key=mx.random.key(5))
+    cases = {}
+    for dtype in (mx.float32, mx.bfloat16):
+        name = str(dtype).split(".")[-1]
+        cases[name] = (lambda a, b: a @ b.T, x.astype(dtype), w.astype(dtype))
+        for bits in (8, 4):
+            q, scales, biases = mx.quantize(w, group_size=64, bits=bits)
+            product = lambda a, *wsb, bits=bits: mx.quantized_matmul(a, *wsb, transpose=True, group_size=64,
+                                                                    bits=bits)
+            cases[f"{bits}-bit, {name}"] = (product, x.astype(dtype), q, scales.astype(dtype), biases.astype(dtype))
+    print(f"one (1, {n}) x ({n}, {n}) product, median of {reps}:")
+    for name, (product, *arrays) in cases.items():
+        mx.eval(arrays, product(*arrays))
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            mx.eval(product(*arrays))
+            times.append(time.perf_counter() - start)
+        print(f"  {name:<18} {statistics.median(times) * 1e3:8.2f} ms")
 
 
 def step_breakdown(weights, config, model, context=128, steps=30):
@@ -173,12 +199,17 @@ def main():
     ap.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--matmul", action="store_true",
+                    help="instead: time one matrix-vector product in float32, bfloat16, 8 and 4 bits")
     ap.add_argument("--cache-lengths", type=int, nargs="+", metavar="N",
                     help="instead: decode speed with and without the KV cache at these prompt lengths")
     args = ap.parse_args()
     if args.device:
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     dtype = li.pick_dtype(args.dtype)
+    if args.matmul:
+        matmul_speeds()
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model) if args.model else Path("Qwen3-0.6B")
