@@ -709,7 +709,8 @@ def check_weights(model_dir, config):
     expected = weight_shapes(config)
     if "lm_head.weight" in found:  # a tied checkpoint's extra head is loaded too (section 1)
         expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)
-    dtypes = dict.fromkeys(expected, ("BF16", "F16", "F32"))
+    floats = ("BF16", "F16", "F32")
+    dtypes = dict.fromkeys(expected, floats)  # what each tensor may be stored as
     quantization = stored_quantization(model_dir)
     for name, (rows, columns) in [(n, s) for n, s in expected.items() if len(s) == 2]:
         stem = name.removesuffix(".weight")
@@ -718,7 +719,7 @@ def check_weights(model_dir, config):
             expected[name], dtypes[name] = (rows, columns * how["bits"] // 32), ("U32",)
             for part in ("scales", "biases"):
                 expected[f"{stem}.{part}"] = (rows, columns // how["group_size"])
-                dtypes[f"{stem}.{part}"] = ("BF16", "F16", "F32")
+                dtypes[f"{stem}.{part}"] = floats
     for name, shape in expected.items():
         if name not in found or not isinstance(found[name][1], dict):
             where = files[0] if len(files) == 1 else f"the sharded checkpoint {model_dir}"
@@ -732,7 +733,7 @@ def check_weights(model_dir, config):
             raise UserError(f"{path}: tensor {name!r} has shape {tuple(stored)}, expected {shape}")
         if entry.get("dtype") not in dtypes[name]:
             raise UserError(f"{path}: tensor {name!r} is stored as {entry.get('dtype')}, "
-                            f"expected {'U32' if dtypes[name] == ('U32',) else 'BF16, F16 or F32'}")
+                            f"expected {'BF16, F16 or F32' if dtypes[name] == floats else 'U32'}")
         if not isinstance(offsets[1], int) or start + offsets[1] > size:
             raise UserError(f"{path} is damaged (it ends inside tensor {name!r}: an interrupted "
                             "download?); re-download it")
