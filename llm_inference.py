@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -86,8 +87,8 @@ LAYER_TENSORS = {
 
 
 def weight_files(model_dir):
-    """model.safetensors, or, for larger models split into shards, the files that
-    model.safetensors.index.json lists: {"weight_map": {name: "model-00001-of-00002.safetensors"}}."""
+    """model.safetensors, or, for larger models split into shards, the files listed in
+    model.safetensors.index.json: {"weight_map": {name: "model-00001-of-00002.safetensors"}}."""
     model_dir = Path(model_dir)
     if (model_dir / "model.safetensors").exists():  # the single file first, as transformers does
         return [model_dir / "model.safetensors"]
@@ -450,32 +451,50 @@ def forward(token_ids, weights, config, cache, last_only=True):
 
 class Sampling(NamedTuple):
     temperature: float = 0.0  # 0 = greedy: always the most likely token
-    top_k: int = 0  # keep the k most likely tokens (0 = all) ...
-    top_p: float = 1.0  # ... then the fewest of those whose probabilities add up to >= top_p
+    top_k: int = 0  # keep the k most likely tokens, and any tied with the k-th (0 = all) ...
+    top_p: float = 1.0  # ... then the fewest of those whose probabilities add up to >= top_p ...
+    min_p: float = 0.0  # ... then those at least min_p times as likely as the likeliest one
+    presence_penalty: float = 0.0  # subtracted from the logit of each token already in the reply
     seed: int = 0  # the random stream, so that a run can be repeated
 
 
-def sample(logits, sampling, key):
-    """Temperature 0 is greedy (argmax). Otherwise draw from softmax(logits / temperature), keeping
-    the top_k likeliest tokens, then the fewest of those whose renormalised probability reaches
-    top_p (the token crossing the threshold stays), as Hugging Face transformers does."""
-    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
-    if temperature == 0:
-        return mx.argmax(logits, axis=-1)
-    logits = logits.astype(mx.float32) / temperature  # < 1 sharpens the distribution, > 1 flattens
-    if top_k == 0 and top_p == 1:  # nothing to filter
-        return mx.random.categorical(logits, key=key)
-    if 0 < top_k < logits.shape[-1]:  # only the k largest can survive: sort those, not 151936
-        candidates = mx.argpartition(-logits, top_k - 1)[:top_k]
-    else:  # no top-k: sort the whole vocabulary (top-p needs the order)
-        candidates = mx.arange(logits.shape[-1])
-    order = candidates[mx.argsort(-logits[candidates])]  # token ids, likeliest first
-    sorted_logits = logits[order]
+def filter_logits(logits, sampling):
+    """Divide by the temperature, then set to -inf every token that top-k, top-p or min-p rules
+    out, in the order Hugging Face transformers applies them."""
+    logits = logits.astype(mx.float32) / sampling.temperature  # < 1 sharpens, > 1 flattens
+    top_k, top_p, min_p = sampling.top_k, sampling.top_p, sampling.min_p
+    if 0 < top_k < logits.shape[-1]:
+        # The k-th largest logit is the bar, and every token tied with it stays, as in transformers:
+        # in bfloat16, equal logits around rank 20 are common.
+        kth = mx.topk(logits, top_k).min()
+        logits = mx.where(logits >= kth, logits, -mx.inf)
     if top_p < 1:
-        probs = mx.softmax(sorted_logits)
-        # Keep a token if the tokens strictly likelier than it add up to less than top_p.
-        sorted_logits = mx.where(mx.cumsum(probs) - probs < top_p, sorted_logits, -mx.inf)
-    return order[mx.random.categorical(sorted_logits, key=key)]  # renormalises what is left
+        # Walk down from the likeliest token: a token stays if those before it add up to less than
+        # top_p (so the one crossing the threshold stays). Only the top_k candidates need sorting;
+        # without top-k, the whole vocabulary.
+        n = top_k if 0 < top_k < logits.shape[-1] else logits.shape[-1]
+        candidates = mx.argpartition(-logits, n - 1)[:n]
+        order = candidates[mx.argsort(-logits[candidates])]  # token ids, likeliest first
+        probs = mx.softmax(logits)[order]  # over every token still in, ties at the bar included
+        kept = mx.cumsum(probs) - probs < top_p
+        bar = mx.where(kept, logits[order], mx.inf).min()  # the least likely token that stays ...
+        logits = mx.where(logits >= bar, logits, -mx.inf)  # ... and every token tied with it
+    if min_p > 0:  # scales with the model's confidence: a strict cut when one token dominates
+        probs = mx.softmax(logits)
+        logits = mx.where(probs >= min_p * probs.max(), logits, -mx.inf)
+    return logits
+
+
+def sample(logits, sampling, key, in_reply=None):
+    """Temperature 0 is greedy (argmax). Otherwise draw from softmax(logits / temperature) over the
+    tokens filter_logits keeps. in_reply (vocab,) is 1 for each token already generated in this
+    reply: the presence penalty lowers their logits by a constant however often they occurred
+    (OpenAI's and vLLM's meaning), which counters the endless loops a small model can fall into."""
+    if sampling.presence_penalty:
+        logits = logits - sampling.presence_penalty * in_reply
+    if sampling.temperature == 0:
+        return mx.argmax(logits, axis=-1)
+    return mx.random.categorical(filter_logits(logits, sampling), key=key)  # renormalises
 
 
 # ------------------------------------------------------------------------------------------------
@@ -488,13 +507,16 @@ def sample(logits, sampling, key):
 PREFILL_CHUNK = 1024
 
 
-def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
+def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(), cache=None,
              use_cache=True):
     """Yield (token id, the logits it was drawn from) until an id in eos_ids (yielded too) or
-    max_tokens. use_cache=False recomputes the whole sequence at every step (an experiment)."""
-    cache, key = make_cache(config), mx.random.key(sampling.seed)
+    max_tokens. `cache` may already hold earlier tokens (a chat, section 13): prompt_ids then
+    continue them. use_cache=False recomputes the whole sequence at every step (an experiment)."""
+    cache = make_cache(config) if cache is None else cache
+    key = mx.random.key(sampling.seed)
     all_ids = mx.array(prompt_ids)  # the whole sequence; only the use_cache=False experiment
     #                                 reads it after the prefill
+    in_reply = mx.zeros(config.vocab_size)  # 1 for each token generated so far (presence penalty)
 
     def next_logits(new_ids):
         nonlocal all_ids
@@ -504,9 +526,12 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
         return forward(all_ids, weights, config, make_cache(config))  # everything, every time
 
     def next_token(logits):
-        nonlocal key
+        nonlocal key, in_reply
         key, sample_key = mx.random.split(key)
-        return sample(logits, sampling, sample_key)
+        token = sample(logits, sampling, sample_key, in_reply)
+        if sampling.presence_penalty:
+            in_reply = in_reply.at[token].maximum(1.0)
+        return token
 
     # Prefill: the prompt's tokens are all known, so they go through each layer together (large,
     # efficient matrix products), filling the cache and giving the first new token's logits.
@@ -555,6 +580,91 @@ queries_keys_values = mx.compile(queries_keys_values)
 swiglu = mx.compile(swiglu)
 
 
+# ------------------------------------------------------------------------------------------------
+# 13. Chat: one KV cache for a whole conversation
+# ------------------------------------------------------------------------------------------------
+#
+# At every turn, Qwen3's chat template (in tokenizer_config.json) renders the whole conversation
+# again, and the model reads all of it:
+#
+#   <|im_start|>system\n{system}<|im_end|>\n            (if there is one)
+#   <|im_start|>user\n{message}<|im_end|>\n
+#   <|im_start|>assistant\n{answer}<|im_end|>\n         (an earlier reply, without its thinking)
+#   ...
+#   <|im_start|>user\n{new message}<|im_end|>\n
+#   <|im_start|>assistant\n                             (+ <think>\n\n</think>\n\n for no thinking)
+#
+# Most of that is already in the cache from the turn before, so only the rest needs a prefill: the
+# cache keeps the longest prefix it shares with the new rendering and forgets what follows. That
+# costs nothing: setting `offset` back is enough, as new keys and values are written over the old.
+#
+# Why not just append? Because the template rewrites history. Once a new user message follows, a
+# reply's <think>...</think> reasoning is dropped: it has served its purpose, kept it would fill
+# the context, and Qwen3 was trained on conversations without it. The empty think block of a reply
+# made without thinking goes too. So each turn rolls back to the start of the last reply, then
+# prefills its answer and the new message; everything before is reused.
+#
+# Earlier replies enter the history as the token ids the model generated: tokenizing their text
+# again could give other ids for the same text (a different split into pieces), and the cache holds
+# the generated ones.
+
+class Chat:
+    """A conversation: its turns so far, and one KV cache that every turn reuses."""
+
+    def __init__(self, weights, config, tokenizer, system=None, think=True):
+        self.weights, self.config, self.tokenizer = weights, config, tokenizer
+        self.system, self.think = system, think
+        self.turns = []  # (user message, reply ids) per turn; the program may drop or clear them
+        self.cache = make_cache(config)
+        self.cached_ids = []  # the ids whose keys and values are in the cache, in order
+        self.reused = self.prefilled = 0  # the last turn's tokens taken from the cache / computed
+
+    def prompt_ids(self, message):
+        """The conversation so far plus a new message, as Qwen3's chat template renders them."""
+        tokens = lambda text: tokenize(self.tokenizer, text)
+        system = self.system
+        ids = tokens(f"<|im_start|>system\n{system}<|im_end|>\n") if system is not None else []
+        for user, reply in self.turns:
+            ids += tokens(chat_prompt(user))  # ...user\n{user}<|im_end|>\n<|im_start|>assistant\n
+            ids += self.answer(reply) + tokens("<|im_end|>\n")
+        return ids + tokens(chat_prompt(message, think=self.think))
+
+    def answer(self, reply):
+        """A reply as the template keeps it: what follows the last </think>, without the newlines
+        that start it. A reply without </think> (say, stopped while thinking) is kept whole."""
+        end_think = self.tokenizer.token_to_id("</think>")
+        if end_think not in reply:
+            return reply
+        answer = reply[len(reply) - reply[::-1].index(end_think):]
+        while answer and self.tokenizer.decode([answer[0]]).strip("\n") == "":
+            answer = answer[1:]
+        return answer
+
+    def reply(self, message, max_tokens, sampling=Sampling(), eos_ids=()):
+        """Yield (token id, logits) of the reply to `message`, like generate(). The reply joins the
+        history also when the caller stops early: then close() this generator."""
+        ids = self.prompt_ids(message)
+        self.reused = 0  # the prefix shared with the cache; the last id is always fed (the logits)
+        for cached, new in zip(self.cached_ids, ids[:-1]):
+            if cached != new:
+                break
+            self.reused += 1
+        for layer_cache in self.cache:
+            layer_cache.offset = self.reused  # the roll-back
+        self.prefilled, reply = len(ids) - self.reused, []
+        try:
+            for token_id, logits in generate(ids[self.reused:], self.weights, self.config,
+                                             max_tokens, sampling, eos_ids, self.cache):
+                if token_id not in eos_ids:  # the template closes each turn with <|im_end|>
+                    reply.append(token_id)
+                yield token_id, logits
+        finally:  # finished, stopped by the caller, or interrupted by Ctrl-C inside generate()
+            self.turns.append((message, reply))
+            # What the cache holds now: generate() may have fed one token more than it yielded,
+            # and a step interrupted midway may have reached only some layers.
+            self.cached_ids = (ids + reply)[:min(c.offset for c in self.cache)]
+
+
 # ================================================================================================
 # PART 2: THE PROGRAM AROUND IT
 # ================================================================================================
@@ -584,8 +694,11 @@ def check_config(model_dir):
         raise UserError(f"{path} is not UTF-8 text; re-download it")
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON ({e}); re-download it")
-    if not isinstance(raw, dict) or raw.get("model_type") != "qwen3":
-        found = raw.get("model_type") if isinstance(raw, dict) else None
+    found = raw.get("model_type") if isinstance(raw, dict) else None
+    if found == "qwen3_moe":
+        raise UserError(f"{path} describes a mixture-of-experts model (model_type 'qwen3_moe'), "
+                        "which this script does not implement; use a dense Qwen3 model")
+    if found != "qwen3":
         raise UserError(f"{path} is not a Qwen3 config (model_type is {found!r}, expected 'qwen3')")
     rope = raw.get("rope_parameters") or {}
     unsupported = {  # variants Part 1 does not implement: refuse them rather than run them wrong
@@ -655,27 +768,21 @@ def weight_shapes(config):
 
 
 def checked_weight_files(model_dir):
-    """Part 1's weight_files(), after checking a sharded checkpoint's index and that every shard it
-    names is there."""
+    """Part 1's weight_files(), with a damaged model.safetensors.index.json as one line. The files
+    are not checked: when downloading, the index arrives before the shards it names."""
     model_dir = Path(model_dir)
     index = model_dir / WEIGHTS_INDEX
-    if (model_dir / "model.safetensors").exists() or not index.exists():
-        return weight_files(model_dir)
     try:
-        shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        files = weight_files(model_dir)
     except OSError as e:
         raise UserError(f"cannot read {index}: {e.strerror or e}")
     except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, AttributeError):
-        shards = None
+        files = []
     # Plain names of files beside the index: a path such as "../x" would read outside the folder.
-    if not shards or not all(isinstance(name, str) and Path(name).name == name for name in shards):
+    if not files or any(path.parent != model_dir for path in files):
         raise UserError(f"{index} is not a valid index of shards (a JSON object whose "
                         "'weight_map' names a file for each tensor); re-download it")
-    missing = sorted(name for name in shards if not (model_dir / name).is_file())
-    if missing:
-        raise UserError(f"{model_dir} lacks {missing[0]}, one of the {len(shards)} shards named in "
-                        f"{WEIGHTS_INDEX} ({len(missing)} missing); re-download it")
-    return weight_files(model_dir)
+    return files
 
 
 def read_header(path):
@@ -702,6 +809,10 @@ def check_weights(model_dir, config):
     """Read the weight files' headers and check that every tensor Part 1 needs is there, with its
     shape and a dtype it reads, inside its file (no weight is read)."""
     files = checked_weight_files(model_dir)
+    missing = [path.name for path in files if not path.is_file()]
+    if missing:
+        raise UserError(f"{model_dir} lacks {missing[0]}, one of the {len(files)} shards named in "
+                        f"{WEIGHTS_INDEX} ({len(missing)} missing); re-download it")
     found = {}  # tensor name -> (file, its header entry, where the file's tensor bytes start, size)
     for path in files:
         header, start, size = read_header(path)
@@ -739,6 +850,59 @@ def check_weights(model_dir, config):
                             "download?); re-download it")
 
 
+def check_chat_template(model_dir):
+    """--chat writes Qwen3's hybrid-thinking format by hand (section 2). Qwen3-2507 Instruct (never
+    thinks) and Thinking (always thinks) were trained on other formats: their templates, unlike the
+    hybrid one, have no enable_thinking switch. A folder without a template is given the benefit."""
+    model_dir = Path(model_dir)
+    path = model_dir / "chat_template.jinja"  # newer checkpoints keep the template in its own file
+    try:
+        if path.is_file():
+            template = path.read_text(encoding="utf-8")
+        else:
+            path = model_dir / "tokenizer_config.json"
+            config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+            template = config.get("chat_template") or ""
+            if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+                template = "".join(t.get("template", "") for t in template
+                                   if t.get("name") == "default")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise UserError(f"cannot read {path} ({e}); re-download it")
+    if template and "enable_thinking" not in template:
+        raise UserError(f"{path} holds a chat template other than Qwen3's hybrid-thinking one that "
+                        "--chat writes (a Qwen3-2507 model?); run it without --chat")
+
+
+def weight_bytes(config, dtype, bits=None, group_size=GROUP_SIZE):
+    """The bytes Part 1's weights take once loaded as dtype (a tied head shares the embedding's);
+    quantized, a matrix takes `bits` per weight plus a scale and a bias (dtype) per group."""
+    total = 0
+    for shape in weight_shapes(config).values():
+        n = math.prod(shape)
+        quantized = bits and len(shape) == 2
+        total += n * bits // 8 + 2 * n // group_size * dtype.size if quantized else n * dtype.size
+    return total
+
+
+def memory_size():
+    """The memory the weights must fit in: on a GPU, its memory as MLX reports it (on a Mac, the
+    unified memory the GPU shares with the CPU; on CUDA, the card's); on the CPU, the RAM."""
+    info = mx.device_info() if mx.default_device() == mx.gpu else {}
+    size = info.get("memory_size") or info.get("total_memory")  # Metal's key, CUDA's key
+    return size or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(needed, available, dtype):
+    """Refuse weights larger than the whole memory before reading gigabytes only to crash or swap.
+    Anything smaller is left to run: the OS can usually make room."""
+    if needed > available:
+        name = str(dtype).split(".")[-1]
+        smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
+        raise UserError(f"the weights need {needed / 1e9:.1f} GB as {name}, but this machine has "
+                        f"{available / 1e9:.1f} GB of memory; try {smaller}--quantize 4, or a "
+                        "smaller model")
+
+
 def load_generation_config(model_dir):
     """generation_config.json (optional): end-of-sequence ids, Qwen's recommended sampling."""
     path = Path(model_dir) / "generation_config.json"
@@ -768,10 +932,13 @@ def load_model(model_dir, dtype, bits=None):
     Returns (config, weights, tokenizer, generation config)."""
     check_config(model_dir)
     config = load_config(model_dir)
-    stored_bits = stored_quantization(model_dir).get("bits")
+    quantization = stored_quantization(model_dir)  # {} unless stored quantized (section 1b)
+    stored_bits = quantization.get("bits")
     if bits and stored_bits and bits != stored_bits:
         raise UserError(f"{model_dir} is already quantized to {stored_bits} bits; drop --quantize "
                         "or point --model at the unquantized model")
+    group_size = quantization.get("group_size", GROUP_SIZE)
+    check_memory(weight_bytes(config, dtype, bits or stored_bits, group_size), memory_size(), dtype)
     check_weights(model_dir, config)
     path = Path(model_dir) / "tokenizer.json"
     try:
@@ -789,7 +956,7 @@ def load_model(model_dir, dtype, bits=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# Downloading the default model
+# Finding the model: a folder, or a Hugging Face repo id downloaded once into a folder
 # ------------------------------------------------------------------------------------------------
 
 def default_model_dir():
@@ -798,69 +965,100 @@ def default_model_dir():
     return here if here.is_dir() else Path(__file__).resolve().parent / "Qwen3-0.6B"
 
 
-def download_command(model_dir):
-    return f"hf download {HF_REPO} {' '.join(MODEL_FILES)} --local-dir {model_dir}"
+def is_repo_id(text):
+    """'owner/name', as Hugging Face spells repo ids: letters, digits, '-', '_' and '.'."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", text) is not None
 
 
-def download_model(model_dir):
-    """Fetch Qwen3-0.6B's files from Hugging Face into model_dir, all or nothing.
+def repo_dir(repo):
+    """Where a repo id's files go: Qwen/Qwen3-1.7B -> Qwen/Qwen3-1.7B next to this script."""
+    return Path(__file__).resolve().parent / repo
 
-    Files land in a temporary folder beside model_dir first and are moved in only once all have
-    arrived, so an interrupted download never leaves a folder that looks complete.
+
+def download_command(repo, model_dir):
+    files = f" {' '.join(MODEL_FILES)}" if repo == HF_REPO else ""
+    return f"hf download {repo}{files} --local-dir {model_dir}"
+
+
+def missing_files(names):
+    """The NEEDED_FILES not among the file names given (a folder's, or a repo's); a sharded
+    checkpoint's index stands in for model.safetensors (check_weights then checks its shards)."""
+    return [name for name in NEEDED_FILES if name not in names
+            and not (name == "model.safetensors" and WEIGHTS_INDEX in names)]
+
+
+def download_model(repo, model_dir):
+    """Fetch the files Part 1 reads from a Hugging Face repo into model_dir, all or nothing.
+
+    Files land in a temporary folder first and are moved in only once all have arrived, so an
+    interrupted download never leaves a folder that looks complete, nor any new folder at all.
     """
     import huggingface_hub  # only needed here, on the first run
 
     model_dir = Path(model_dir)
     staging = None
     try:
-        info = huggingface_hub.HfApi().model_info(HF_REPO, files_metadata=True)
-        sizes = {s.rfilename: s.size or 0 for s in info.siblings}
-        total = sum(sizes.get(name, 0) for name in MODEL_FILES)
-        print(f"Downloading {HF_REPO} ({len(MODEL_FILES)} files, {total / 1e9:.2f} GB) "
-              f"into {model_dir}/", file=sys.stderr)
-        model_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.download-",
-                                        dir=model_dir.parent))
-        for name in MODEL_FILES:
-            huggingface_hub.hf_hub_download(HF_REPO, name, local_dir=staging)
-        model_dir.mkdir(exist_ok=True)
-        for name in MODEL_FILES:
+        info = huggingface_hub.HfApi().model_info(repo, files_metadata=True)
+        sizes = {s.rfilename: s.size or 0 for s in info.siblings}  # every file in the repo
+        lacking = missing_files(sizes)
+        if lacking:
+            raise UserError(f"{repo} has no {', '.join(lacking)}: it is not a Qwen3 checkpoint "
+                            "in Hugging Face's safetensors layout")
+        root = next(folder for folder in model_dir.parents if folder.is_dir())
+        staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.download-", dir=root))
+        fetch = lambda name: huggingface_hub.hf_hub_download(repo, name, local_dir=staging)
+        fetch("config.json")
+        check_config(staging)  # refuse a model this script does not run before fetching gigabytes
+        names = [name for name in (*MODEL_FILES, "chat_template.jinja") if name in sizes]
+        if "model.safetensors" not in sizes:
+            fetch(WEIGHTS_INDEX)
+            names += [WEIGHTS_INDEX, *(path.name for path in checked_weight_files(staging))]
+        print(f"Downloading {repo} ({len(names)} files, "
+              f"{sum(sizes.get(name, 0) for name in names) / 1e9:.2f} GB) into {model_dir}/",
+              file=sys.stderr)
+        for name in names:
+            if not (staging / name).exists():
+                fetch(name)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        for name in names:
             os.replace(staging / name, model_dir / name)
+    except UserError as e:  # name the repo in the message, not the temporary folder
+        raise UserError(str(e).replace(str(staging), repo) if staging else str(e))
     except Exception as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"could not download {HF_REPO} ({type(e).__name__}: {reason}); "
-                        f"fetch it by hand with: {download_command(model_dir)}")
+        raise UserError(f"could not download {repo} ({type(e).__name__}: {reason}); "
+                        f"fetch it by hand with: {download_command(repo, model_dir)}")
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def missing_files(model_dir):
-    """The NEEDED_FILES model_dir lacks; a sharded checkpoint's index stands in for
-    model.safetensors (check_weights then checks its shards)."""
-    sharded = (model_dir / WEIGHTS_INDEX).is_file()
-    return [name for name in NEEDED_FILES if not (model_dir / name).is_file()
-            and not (name == "model.safetensors" and sharded)]
-
-
 def find_model(model_arg, allow_download):
-    """The model folder to use; downloads the default one when it is missing or incomplete."""
-    model_dir = Path(model_arg) if model_arg else default_model_dir()
-    missing = missing_files(model_dir)
+    """The model folder to use. --model is a folder when that path exists or is no repo id; it is
+    never downloaded into, as it may hold another model. A repo id (the default: Qwen/Qwen3-0.6B)
+    is downloaded into its folder when that is missing or incomplete."""
+    if model_arg and (Path(model_arg).exists() or not is_repo_id(model_arg)):
+        model_dir, repo = Path(model_arg), None
+    else:
+        repo = model_arg or HF_REPO
+        model_dir = repo_dir(repo) if model_arg else default_model_dir()
+    present = {name for name in (*NEEDED_FILES, WEIGHTS_INDEX) if (model_dir / name).is_file()}
+    missing = missing_files(present)
     if not missing:
         return model_dir
     if model_dir.is_dir():
         what = f"{model_dir} lacks {', '.join(missing)}"
     else:
         what = f"model folder {model_dir} not found"
-    if model_arg:  # an explicit folder is never filled with 0.6B files: it may hold another model
+    if repo is None:
         raise UserError(f"{what}; point --model at a folder with {', '.join(NEEDED_FILES)} "
-                        f"(or {WEIGHTS_INDEX} and its shards)")
+                        f"(or {WEIGHTS_INDEX} and its shards), or at a repo id such as "
+                        "Qwen/Qwen3-1.7B")
     if not allow_download:
         raise UserError(f"{what} and --no-download was given; "
-                        f"fetch it with: {download_command(model_dir)}")
+                        f"fetch it with: {download_command(repo, model_dir)}")
     try:
-        download_model(model_dir)
+        download_model(repo, model_dir)
     except UserError as e:
         raise UserError(f"{what}, and {e}")
     return model_dir
@@ -953,6 +1151,10 @@ def trace(prompt_ids, weights, config, tokenizer):
 # The command line: python llm_inference.py --prompt "..." [flags]
 # ------------------------------------------------------------------------------------------------
 
+DEFAULT_PROMPT = "The capital of France is"
+CHAT_MAX_TOKENS = 8192  # enough for Qwen3 to finish thinking on most questions (README, Chat)
+
+
 def device_name():
     if mx.default_device() != mx.gpu:
         return "cpu"
@@ -1017,26 +1219,36 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def parse_args(argv):
     ap = ArgumentParser(prog="llm_inference.py", description="Generate text with Qwen3 on MLX.")
-    ap.add_argument("--prompt", default="The capital of France is",
-                    help="the text to continue ('-' reads stdin)")
-    ap.add_argument("--max-tokens", type=number(int, 1), default=100,
-                    help="stop after this many new tokens (100)")
+    ap.add_argument("--prompt", help="the text to continue ('-' reads stdin; default: "
+                    f"{DEFAULT_PROMPT!r}); with --chat, one message and its reply")
+    ap.add_argument("--max-tokens", type=number(int, 1),
+                    help=f"stop after this many new tokens (100; {CHAT_MAX_TOKENS} with --chat, at "
+                    "most half the context)")
     ap.add_argument("--temperature", type=number(float, 0),
-                    help="0 = greedy (default; 0.6 with --chat)")
+                    help="0 = greedy (default; with --chat 0.6, or 0.7 with --no-think)")
     ap.add_argument("--top-p", type=number(float, 0, 1, low_open=True),
-                    help="nucleus sampling mass (0.95)")
+                    help="nucleus sampling mass (generation_config.json's; 0.8 with --no-think)")
     ap.add_argument("--top-k", type=number(int, 0),
-                    help="keep only the k most likely tokens, 0 = all (0; 20 with --chat)")
+                    help="keep only the k most likely tokens, 0 = all (generation_config.json's)")
+    ap.add_argument("--min-p", type=number(float, 0, 1),
+                    help="keep tokens at least this fraction as likely as the likeliest (0)")
+    ap.add_argument("--presence-penalty", type=number(float, 0, 2),
+                    help="lower the logit of tokens already in the reply, against repetition (0)")
     ap.add_argument("--seed", type=number(int, 0, 2**64 - 1),
                     help="random seed for sampling (default: a fresh one)")
     ap.add_argument("--model",
-                    help="model folder (default: ./Qwen3-0.6B, else the one next to this script)")
+                    help="a model folder, or a Hugging Face repo id such as Qwen/Qwen3-1.7B, "
+                    "downloaded once into the folder Qwen/Qwen3-1.7B next to this script "
+                    "(default: ./Qwen3-0.6B, else the one next to this script)")
     ap.add_argument("--no-download", action="store_true",
                     help="never download the model, fail instead")
-    ap.add_argument("--chat", action="store_true", help="wrap the prompt in Qwen3's chat format")
+    ap.add_argument("--chat", action="store_true",
+                    help="talk with the model in Qwen3's chat format (README, Chat)")
     ap.add_argument("--system", help="system message for --chat")
     ap.add_argument("--no-think", action="store_true",
                     help="with --chat: skip Qwen3's <think> reasoning")
+    ap.add_argument("--hide-think", action="store_true",
+                    help="with --chat: show a progress line instead of the reasoning")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                     help="auto = bfloat16 on a GPU, float32 on the CPU")
     ap.add_argument("--quantize", type=int, choices=[4, 8], metavar="{4,8}",
@@ -1054,82 +1266,272 @@ def parse_args(argv):
     lab.add_argument("--reference-ops", action="store_true",
                      help="run the hand-written RMSNorm/RoPE/attention, not MLX's fused kernels")
     args = ap.parse_args(argv)
-    if (args.system is not None or args.no_think) and not args.chat:
-        ap.error("--system and --no-think only apply with --chat")
+    if (args.system is not None or args.no_think or args.hide_think) and not args.chat:
+        ap.error("--system, --no-think and --hide-think only apply with --chat")
+    if args.chat and args.prompt is None:
+        for flag, given in (("--top-probs", args.top_probs), ("--trace", args.trace),
+                            ("--no-cache", args.no_cache)):
+            if given:
+                ap.error(f"{flag} needs a single message: add --prompt to --chat")
     return args
 
 
+# Qwen's recommended sampling (model card). Thinking mode's values are also in
+# generation_config.json; a model's file wins over them.
+QWEN3_THINKING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
+QWEN3_NO_THINK = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
+# What transformers' generate() falls back on for a value generation_config.json lacks.
+TRANSFORMERS_DEFAULTS = {"top_p": 1.0, "top_k": 50, "min_p": 0.0}
+
+
 def sampling_settings(args, generation_config):
-    """Explicit flags win; with --chat, the model's generation_config.json fills the rest (Qwen3:
-    0.6, 0.95, 20); plain completion defaults to greedy decoding, the likeliest token every time."""
-    recommended = generation_config if args.chat else {}
-    given = lambda flag, name, default: flag if flag is not None else recommended.get(name, default)
-    temperature = given(args.temperature, "temperature", 0.0)
-    top_p = given(args.top_p, "top_p", 0.95)
-    top_k = given(args.top_k, "top_k", 0)
+    """Explicit flags win. --chat then takes Qwen's recommendations: generation_config.json's
+    values in thinking mode, the model card's for --no-think. Plain completion is greedy unless
+    --temperature is given; its top-k/top-p/min-p then come from generation_config.json, as in
+    transformers."""
+    if args.chat and args.no_think:
+        recommended = QWEN3_NO_THINK
+    elif args.chat:
+        recommended = QWEN3_THINKING | generation_config
+    else:
+        recommended = TRANSFORMERS_DEFAULTS | generation_config | {"temperature": 0.0}
+    given = lambda flag, name: flag if flag is not None else recommended.get(name, 0.0)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    return Sampling(float(temperature), int(top_k), float(top_p), seed)
+    return Sampling(temperature=float(given(args.temperature, "temperature")),
+                    top_k=int(given(args.top_k, "top_k")), top_p=float(given(args.top_p, "top_p")),
+                    min_p=float(given(args.min_p, "min_p")),
+                    presence_penalty=args.presence_penalty or 0.0, seed=seed)
+
+
+def describe(sampling):
+    if sampling.temperature == 0:
+        how = "greedy"
+    else:
+        how = (f"temperature {sampling.temperature}, top-p {sampling.top_p}, "
+               f"top-k {sampling.top_k}, seed {sampling.seed}")
+        how += f", min-p {sampling.min_p}" if sampling.min_p else ""
+    if sampling.presence_penalty:
+        how += f", presence penalty {sampling.presence_penalty}"
+    return how
+
+
+# ------------------------------------------------------------------------------------------------
+# Showing a reply, and the chat loop
+# ------------------------------------------------------------------------------------------------
+
+class ReplyPrinter:
+    """Writes a reply to stdout as its tokens arrive. On a terminal, Qwen3's <think>...</think>
+    reasoning is dimmed; hide_think shows a "thinking... (N tokens)" line instead, on stderr.
+    Elsewhere (a pipe, a file) the text is written as it is, without colour codes."""
+
+    DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+
+    def __init__(self, tokenizer, hide_think):
+        self.tokenizer, self.hide_think = tokenizer, hide_think
+        self.think_ids = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+        self.colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ  # no-color.org
+        self.progress = sys.stderr.isatty()
+        # DecodeStream holds back the bytes of a character split across tokens (emoji, CJK) until
+        # it is complete: nothing prints as garbage.
+        self.stream = DecodeStream(skip_special_tokens=True)
+        self.thinking, self.n_thinking, self.n_tokens = False, 0, 0
+        self.answer_started = False  # for hide_think: the newlines after </think> are dropped
+
+    def add(self, token_id):
+        self.n_tokens += 1
+        piece = self.stream.step(self.tokenizer, token_id) or ""
+        start, end = self.think_ids
+        if token_id == start and not self.thinking:
+            self.thinking = True
+            piece = "" if self.hide_think else (self.DIM if self.colour else "") + piece
+        elif token_id == end and self.thinking:
+            self.thinking = False
+            if self.hide_think:
+                piece = ""
+                self.clear_progress()
+            elif self.colour:
+                piece += self.PLAIN
+        elif self.thinking:
+            self.n_thinking += 1
+            if self.hide_think:
+                piece = ""
+                if self.progress:
+                    sys.stderr.write(f"\rthinking… ({self.n_thinking} tokens)")
+                    sys.stderr.flush()
+        elif self.hide_think and not self.answer_started:
+            piece = piece.lstrip("\n")
+            self.answer_started = bool(piece)
+        if piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    def clear_progress(self):
+        if self.progress and self.n_thinking:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+    def finish(self):
+        """End the reply's line, restoring the colour if it stopped while thinking."""
+        if self.thinking and self.colour and not self.hide_think:
+            sys.stdout.write(self.PLAIN)
+        if self.thinking and self.hide_think:
+            self.clear_progress()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def read_message(interactive):
+    """The next line of input, or None at the end. On a terminal, input() has line editing and
+    history (readline, imported by chat_loop)."""
+    if interactive:
+        try:
+            text = input(">>> ")
+        except EOFError:  # Ctrl-D
+            print(file=sys.stderr)
+            return None
+    else:
+        line = sys.stdin.buffer.readline()
+        if not line:
+            return None
+        text = line.decode("utf-8", "surrogateescape").rstrip("\r\n")
+    return checked_text(text, "the message")
+
+
+def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think):
+    """Talk until end of input, Ctrl-D or /exit. Each line is one message; its reply goes to
+    stdout, everything else to stderr. Ctrl-C stops a reply (it stays in the history)."""
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401 (importing it is what gives input() editing and history)
+        except ImportError:  # not on every platform; input() still works without
+            pass
+    context, turn = chat.config.max_position_embeddings, 0
+    while True:
+        try:
+            message = read_message(interactive)
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, as in Python's REPL
+            print(file=sys.stderr)
+            continue
+        except UserError as e:
+            print(f"error: {e}; skipped", file=sys.stderr)
+            continue
+        if message is None or message.strip() == "/exit":
+            return
+        if message.strip() == "/reset":
+            chat.turns.clear()  # the cache rolls back by itself at the next turn
+            turn = 0
+            print("(conversation reset)", file=sys.stderr)
+            continue
+        if not message.strip():
+            continue
+        # Each turn must leave room for a whole reply: forget the oldest turns if needed.
+        dropped = 0
+        while len(chat.prompt_ids(message)) + max_tokens > context and chat.turns:
+            del chat.turns[0]
+            dropped += 1
+        n_prompt = len(chat.prompt_ids(message))
+        if n_prompt + max_tokens > context:
+            print(f"error: this message makes a {n_prompt}-token prompt; with --max-tokens "
+                  f"{max_tokens} that exceeds the model's {context}-token context: shorten it",
+                  file=sys.stderr)
+            continue
+        if dropped:
+            print(f"(the conversation outgrew the {context}-token context: forgot the oldest "
+                  f"{dropped} turn{'s' if dropped > 1 else ''})", file=sys.stderr)
+        turn += 1
+        printer = ReplyPrinter(chat.tokenizer, hide_think)
+        replies = chat.reply(message, max_tokens, sampling, eos_ids)
+        start = first = time.perf_counter()
+        interrupted = False
+        try:
+            for token_id, _ in replies:
+                if printer.n_tokens == 0:
+                    first = time.perf_counter()
+                printer.add(token_id)  # <|im_end|> prints nothing, and counts as in --prompt
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            replies.close()  # the (partial) reply joins the history
+        end = time.perf_counter()
+        printer.finish()
+        n = len(chat.turns[-1][1])  # the reply as the history keeps it (without <|im_end|>)
+        prefill = chat.prefilled / (first - start) if n else 0.0
+        decode = (n - 1) / (end - first) if n > 1 else 0.0
+        thinking = f", {printer.n_thinking} thinking" if printer.n_thinking else ""
+        print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: "
+              f"{chat.reused} tokens reused from the cache, {chat.prefilled} prefilled at "
+              f"{prefill:.1f} tok/s | Reply: {n} tokens{thinking}, {decode:.1f} tok/s",
+              file=sys.stderr)
 
 
 def main(argv=None):
     global FUSED_KERNELS
     args = parse_args(argv)
-    prompt = read_prompt(args.prompt)
+    interactive_chat = args.chat and args.prompt is None
+    prompt = None if interactive_chat else read_prompt(
+        DEFAULT_PROMPT if args.prompt is None else args.prompt)
     system = checked_text(args.system, "--system") if args.system is not None else None
+    if args.chat and args.temperature == 0:
+        print("warning: Qwen advises against greedy decoding (--temperature 0) in chat: in "
+              "thinking mode it leads to endless repetition", file=sys.stderr)
     model_dir = find_model(args.model, allow_download=not args.no_download)
+    if args.chat:
+        check_chat_template(model_dir)
     dtype = pick_dtype(args.dtype)
     config, weights, tokenizer, generation_config = load_model(model_dir, dtype, args.quantize)
     bits = args.quantize or stored_quantization(model_dir).get("bits")
     eos_ids = eos_token_ids(generation_config, tokenizer)
     sampling = sampling_settings(args, generation_config)
+    context = config.max_position_embeddings
+    max_tokens = args.max_tokens or (min(CHAT_MAX_TOKENS, context // 2) if args.chat else 100)
     FUSED_KERNELS = not args.reference_ops  # set once, before anything runs or is compiled
     if args.no_compile:
         mx.disable_compile()
 
-    text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
-    prompt_ids = tokenize(tokenizer, text)
-    if len(prompt_ids) + args.max_tokens > config.max_position_embeddings:
-        raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens "
-                        f"{args.max_tokens} that exceeds the model's "
-                        f"{config.max_position_embeddings}-token context: "
-                        "shorten it or lower --max-tokens")
+    if not interactive_chat:
+        text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
+        prompt_ids = tokenize(tokenizer, text)
+        if len(prompt_ids) + max_tokens > context:
+            raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens "
+                            f"{max_tokens} that exceeds the model's {context}-token context: "
+                            "shorten it or lower --max-tokens")
 
     c = config
     print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
           f"{c.num_attention_heads} Q heads, {c.num_key_value_heads} KV heads) on {device_name()}, "
           f"{str(dtype).split('.')[-1]}{f', {bits}-bit weights' if bits else ''}",
           file=sys.stderr)
-    if sampling.temperature == 0:
-        how = "greedy"
-    else:
-        how = (f"temperature {sampling.temperature}, top-p {sampling.top_p}, "
-               f"top-k {sampling.top_k}, seed {sampling.seed}")
-    print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {how}", file=sys.stderr)
+    if c.tie_word_embeddings and weights["lm_head"] is not weights["embed_tokens"]:
+        print("Note: config.json ties the LM head to the embeddings, but the checkpoint stores a "
+              "different lm_head.weight; using it, as transformers does", file=sys.stderr)
+    if interactive_chat:
+        print(f"Chat: {describe(sampling)}, up to {max_tokens} tokens per reply. /reset starts "
+              "over; /exit or Ctrl-D ends; Ctrl-C stops a reply.", file=sys.stderr)
+        chat = Chat(weights, config, tokenizer, system, think=not args.no_think)
+        chat_loop(chat, max_tokens, sampling, eos_ids, args.hide_think)
+        return 0
+
+    print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {describe(sampling)}", file=sys.stderr)
     if args.trace:
         trace(prompt_ids, weights, config, tokenizer)
         return 0
 
-    # Stream: print each piece as soon as it is decoded. DecodeStream holds back the bytes of a
-    # character split across tokens (emoji, CJK) until it is complete: nothing prints as garbage.
-    stream, n_generated, interrupted = DecodeStream(skip_special_tokens=True), 0, False
+    printer, interrupted = ReplyPrinter(tokenizer, args.hide_think), False
     start = first = time.perf_counter()
     try:
-        for token_id, logits in generate(prompt_ids, weights, config, args.max_tokens, sampling,
+        for token_id, logits in generate(prompt_ids, weights, config, max_tokens, sampling,
                                          eos_ids, use_cache=not args.no_cache):
-            if n_generated == 0:
+            if printer.n_tokens == 0:
                 first = time.perf_counter()  # prefill done: time to first token
                 if args.top_probs:  # the very logits the first token was sampled from
                     print_top_probs(logits, tokenizer, args.top_probs)
-            n_generated += 1
-            piece = stream.step(tokenizer, token_id)
-            if piece:
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+            printer.add(token_id)
     except KeyboardInterrupt:
         interrupted = True
     end = time.perf_counter()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    printer.finish()
+    n_generated = printer.n_tokens
     prefill_rate = len(prompt_ids) / (first - start) if n_generated else 0.0
     decode_rate = (n_generated - 1) / (end - first) if n_generated > 1 else 0.0
     print(f"{'Interrupted. ' if interrupted else ''}Prompt: {len(prompt_ids)} tokens, "

@@ -115,7 +115,7 @@ class Reference:
         return self.tokenizer.encode(text).ids
 
     def generate(self, text, max_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0):
-        sampling = li.Sampling(temperature, top_k, top_p, seed)
+        sampling = li.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         return [t for t, _ in li.generate(self.ids(text), self.weights, self.config, max_tokens, sampling,
                                           self.eos_ids)]
 
@@ -225,26 +225,26 @@ def test_chat_no_think_with_system(tiny_model, reference, tmp_path):
     text, lines, n_prompt, n_generated = parse_success(
         run_cli("--model", tiny_model, "--max-tokens", 16, "--chat", "--no-think", "--system", system,
                 "--prompt", user, "--seed", 7, cwd=tmp_path))
-    # --chat takes Qwen3's recommended sampling from generation_config.json: 0.6 / 0.95 / top-k 20.
-    assert lines[1] == f"Prompt: {user!r} ({len(reference.ids(chat))} tokens), temperature 0.6, top-p 0.95, top-k 20, seed 7"
-    expected = reference.generate(chat, 16, temperature=0.6, top_k=20, top_p=0.95, seed=7)
+    # --chat --no-think takes Qwen3's recommended non-thinking sampling: 0.7 / 0.8 / top-k 20.
+    assert lines[1] == f"Prompt: {user!r} ({len(reference.ids(chat))} tokens), temperature 0.7, top-p 0.8, top-k 20, seed 7"
+    expected = reference.generate(chat, 16, temperature=0.7, top_k=20, top_p=0.8, seed=7)
     assert n_prompt == len(reference.ids(chat))
     assert n_generated == len(expected)
     assert text == reference.tokenizer.decode(expected, skip_special_tokens=True)
 
 
 def test_sampling_is_reproducible_per_seed(tiny_model, reference, tmp_path):
-    # 12 tokens: with top-k 0 every step sorts all 151936 probabilities, the slowest part on a CPU.
+    # top-k and top-p come from generation_config.json (20, 0.95), as in transformers.
     def sample(seed):
         text, lines, _, n_generated = parse_success(
             run_cli("--model", tiny_model, "--max-tokens", 12, "--temperature", 0.8, "--seed", seed, cwd=tmp_path))
-        assert lines[1].endswith(f"temperature 0.8, top-p 0.95, top-k 0, seed {seed}")
+        assert lines[1].endswith(f"temperature 0.8, top-p 0.95, top-k 20, seed {seed}")
         return text
 
     first, again, other = sample(3), sample(3), sample(4)
     assert first == again
     assert first != other
-    assert first == reference.text(PROMPT, 12, temperature=0.8, top_k=0, top_p=0.95, seed=3)
+    assert first == reference.text(PROMPT, 12, temperature=0.8, top_k=20, top_p=0.95, seed=3)
 
 
 def test_reference_ops_give_the_same_greedy_text(tiny_model, greedy_24, tmp_path):
@@ -331,8 +331,9 @@ def test_null_generation_config_values_are_unset(tiny_model, variant, tmp_path):
     folder = variant(generation_config_json={"temperature": None, "top_p": None, "top_k": None,
                                              "eos_token_id": None})
     _, lines, _, _ = parse_success(run_cli("--model", folder, "--chat", "--prompt", "Hi", "--max-tokens", 3,
-                                           cwd=tmp_path))
-    assert lines[1].endswith("greedy")  # no recommended temperature: plain greedy decoding
+                                           "--seed", 1, cwd=tmp_path))
+    # Unset: Qwen's recommendations for thinking mode (model card) apply.
+    assert lines[1].endswith("temperature 0.6, top-p 0.95, top-k 20, seed 1")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -407,6 +408,65 @@ def test_config_not_qwen3(tiny_model, variant, tmp_path):
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "not a Qwen3 config", "'llama'")
 
 
+def test_config_mixture_of_experts(tiny_model, variant, tmp_path):
+    folder = variant(config_json=tiny_config(tiny_model) | {"model_type": "qwen3_moe", "num_experts": 8})
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "mixture-of-experts", "'qwen3_moe'",
+                          "does not implement")
+
+
+# The end of Qwen3-2507's templates, which have no enable_thinking switch: Instruct never thinks, Thinking
+# always opens <think> itself. Qwen3's hybrid template (tests/checkpoint.py's CHAT_TEMPLATE is modelled on
+# it) tests `enable_thinking is defined and enable_thinking is false`.
+INSTRUCT_2507_TAIL = "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}"
+THINKING_2507_TAIL = "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n<think>\\n' }}\n{%- endif %}"
+
+
+def tokenizer_config(tiny_model, template):
+    return json.loads((tiny_model / "tokenizer_config.json").read_text()) | {"chat_template": template}
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "tokenizer_config.json list", "chat_template.jinja"])
+@pytest.mark.parametrize("tail", [INSTRUCT_2507_TAIL, THINKING_2507_TAIL], ids=["instruct", "thinking"])
+def test_chat_refuses_a_non_hybrid_template(tiny_model, variant, tmp_path, where, tail):
+    template = "{%- for message in messages %}{{- message.content }}{%- endfor %}" + tail
+    if where == "chat_template.jinja":  # transformers >= 4.52 saves the template beside the config
+        folder = variant(tokenizer_config_json=tokenizer_config(tiny_model, None))
+        (folder / "chat_template.jinja").write_text(template)
+    elif where.endswith("list"):  # the older form for several named templates
+        folder = variant(tokenizer_config_json=tokenizer_config(
+            tiny_model, [{"name": "default", "template": template}, {"name": "tool_use", "template": tail}]))
+    else:
+        folder = variant(tokenizer_config_json=tokenizer_config(tiny_model, template))
+    assert_one_line_error(run_cli("--model", folder, "--chat", cwd=tmp_path), 1, "hybrid-thinking",
+                          "without --chat")
+    parse_success(run_cli("--model", folder, "--max-tokens", 2, cwd=tmp_path))  # plain completion works
+
+
+def test_chat_accepts_the_hybrid_template_as_jinja_file(tiny_model, variant, reference, tmp_path):
+    folder = variant(tokenizer_config_json=tokenizer_config(tiny_model, None))
+    hybrid = json.loads((tiny_model / "tokenizer_config.json").read_text())["chat_template"]
+    (folder / "chat_template.jinja").write_text(hybrid)
+    parse_success(run_cli("--model", folder, "--chat", "--prompt", "Hi", "--max-tokens", 2, cwd=tmp_path))
+
+
+def test_chat_template_file_unreadable(variant, tmp_path):
+    folder = variant(tokenizer_config_json=b"{oops")
+    assert_one_line_error(run_cli("--model", folder, "--chat", cwd=tmp_path), 1,
+                          f"cannot read {folder / 'tokenizer_config.json'}")
+
+
+def test_weights_too_big_for_memory(tiny_model, variant, tmp_path):
+    """A feed-forward so wide its float32 weights need 1.5 PB: refused before any weight is read (the file's
+    tensors do not even have these shapes)."""
+    folder = variant(config_json=tiny_config(tiny_model) | {"intermediate_size": 10**12})
+    needed = 2 * 3 * 64 * 10**12 * 4 + (151936 * 64 + 2 * (2 * 64 + 4 * 16 * 64 + 2 * 2 * 16 * 64 + 2 * 16)
+                                        + 64) * 4
+    line = assert_one_line_error(run_cli("--model", folder, "--dtype", "float32", cwd=tmp_path), 1,
+                                 f"the weights need {needed / 1e9:.1f} GB as float32", "--dtype bfloat16",
+                                 "--quantize 4", "smaller model")
+    assert f"{li.memory_size() / 1e9:.1f} GB of memory" in line
+
+
 def test_config_missing_key(tiny_model, variant, tmp_path):
     config = tiny_config(tiny_model)
     del config["num_hidden_layers"]
@@ -419,8 +479,12 @@ def test_config_value_not_a_number(tiny_model, variant, tmp_path):
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "'hidden_size'", "'wide'")
 
 
-def test_config_rope_scaling(tiny_model, variant, tmp_path):
-    folder = variant(config_json=tiny_config(tiny_model) | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+@pytest.mark.parametrize("key, value", [
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1000000}),  # transformers 5's form
+])
+def test_config_rope_scaling(tiny_model, variant, tmp_path, key, value):
+    folder = variant(config_json=tiny_config(tiny_model) | {key: value})
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "RoPE scaling")
 
 
@@ -497,6 +561,23 @@ def test_sharded_checkpoint_gives_the_same_text(sharded_model, greedy_24, tmp_pa
     text, _, _, n_generated = parse_success(run_cli("--model", sharded_model, "--max-tokens", 24,
                                                     cwd=tmp_path))
     assert text == greedy_24 and n_generated == 24
+
+
+@pytest.mark.parametrize("head", ["same", "different"])
+def test_tied_checkpoint_storing_lm_head(tmp_path, head):
+    """A tied config whose file also holds lm_head.weight: a copy changes nothing; a different matrix
+    is used (as transformers 5 does, tests/test_hf_parity.py) and one line says so."""
+    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG, tied_head=head)
+    reference = Reference(folder, li.pick_dtype("auto"))
+    assert (reference.weights["lm_head"] is reference.weights["embed_tokens"]) == (head == "same")
+    text, lines, _, _ = parse_success(run_cli("--model", folder, "--max-tokens", 12, cwd=tmp_path))
+    assert text == reference.text(PROMPT, 12)
+    notes = [line for line in lines if "lm_head.weight" in line]
+    if head == "same":
+        assert notes == [] and len(lines) == 3
+    else:
+        assert notes == ["Note: config.json ties the LM head to the embeddings, but the checkpoint "
+                         "stores a different lm_head.weight; using it, as transformers does"]
 
 
 def shard_of(folder, name):
@@ -707,12 +788,15 @@ def test_default_folder_incomplete_no_download(app, tiny_model):
 
 
 class FakeHub:
-    """Just enough of the Hugging Face Hub API, on 127.0.0.1, to serve Qwen/Qwen3-0.6B's files from a folder."""
+    """Just enough of the Hugging Face Hub API, on 127.0.0.1, to serve a folder's files as a repo (by default
+    Qwen/Qwen3-0.6B), plus a README.md and LICENSE like a real repo's, which the script should not fetch."""
 
     COMMIT = "c1899de289a04d12100db370d81485cdf75e47ca"
 
-    def __init__(self, folder, missing=()):
-        self.files = {name: (folder / name).read_bytes() for name in li.MODEL_FILES}
+    def __init__(self, folder, missing=(), repo=li.HF_REPO):
+        self.repo = repo
+        self.files = {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+        self.files |= {"README.md": b"# A model\n", "LICENSE": b"Apache-2.0\n"}
         self.missing = set(missing)  # answered 404, as if the repo lacked them
         self.requests = []
         hub = self
@@ -730,10 +814,10 @@ class FakeHub:
             def answer(self, body):
                 path = self.path.split("?")[0]
                 hub.requests.append((self.command, path))
-                prefix = f"/{li.HF_REPO}/resolve/"
-                if path == f"/api/models/{li.HF_REPO}":
+                prefix = f"/{hub.repo}/resolve/"
+                if path == f"/api/models/{hub.repo}":
                     siblings = [{"rfilename": n, "size": len(d)} for n, d in hub.files.items()]
-                    self.send(200, json.dumps({"id": li.HF_REPO, "sha": hub.COMMIT, "siblings": siblings}).encode(),
+                    self.send(200, json.dumps({"id": hub.repo, "sha": hub.COMMIT, "siblings": siblings}).encode(),
                               body, {"Content-Type": "application/json"})
                 elif path.startswith(prefix) and path.split("/", 5)[-1] in hub.files:
                     name = path.split("/", 5)[-1]
@@ -779,6 +863,7 @@ def test_download_from_hub(app, tiny_model, greedy_24):
     assert result[2].startswith(f"Downloading {li.HF_REPO} (5 files, ")
     assert text == greedy_24 and (n_prompt, n_generated) == (5, 24)
     assert sorted(p.name for p in model_dir.iterdir()) == sorted(li.MODEL_FILES)
+    assert ("GET", f"/{li.HF_REPO}/resolve/main/README.md") not in hub.requests
     for name in li.MODEL_FILES:
         assert (model_dir / name).read_bytes() == (tiny_model / name).read_bytes(), name
     assert no_download_leftovers(app) == []
@@ -802,7 +887,118 @@ def test_download_failing_midway_leaves_nothing(app, tiny_model):
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. Ctrl-C during generation
+# 4. --model with a Hugging Face repo id
+# ------------------------------------------------------------------------------------------------
+
+REPO = "someone/Qwen3-Tiny-Sharded"
+
+
+def online(hub):
+    return dict(HF_HUB_OFFLINE=None, HF_ENDPOINT=hub.url, HF_HUB_DISABLE_PROGRESS_BARS="1")
+
+
+def leftovers(app):
+    """Anything a download left beside the script."""
+    return sorted(p.name for p in app.iterdir() if p.name != SCRIPT.name)
+
+
+def test_repo_id_is_downloaded_next_to_the_script_then_reused(app, sharded_model, greedy_24, tmp_path):
+    elsewhere = tmp_path / "elsewhere"  # the working folder: it holds no someone/ folder
+    elsewhere.mkdir()
+    with FakeHub(sharded_model, repo=REPO) as hub:
+        rc, out, err = run_cli("--model", REPO, "--max-tokens", 24, cwd=elsewhere, script=app / SCRIPT.name,
+                               **online(hub))
+    first, rest = err.split("\n", 1)
+    shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    fetched = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               li.WEIGHTS_INDEX, *shards]
+    total = sum(len(hub.files[name]) for name in fetched)
+    assert first == f"Downloading {REPO} (8 files, {total / 1e9:.2f} GB) into {app / REPO}/"
+    text, _, _, n_generated = parse_success((rc, out, rest))
+    assert text == greedy_24 and n_generated == 24
+    gets = [path.rsplit("/", 1)[-1] for method, path in hub.requests if method == "GET" and "/resolve/" in path]
+    assert gets.index(li.WEIGHTS_INDEX) < min(gets.index(name) for name in shards)  # the index, then its shards
+    assert "README.md" not in gets
+    assert sorted(p.name for p in (app / REPO).iterdir()) == sorted(fetched)
+    for name in fetched:
+        assert (app / REPO / name).read_bytes() == hub.files[name], name
+    assert leftovers(app) == ["someone"] and leftovers(app / "someone") == [REPO.split("/")[1]]
+    # Afterwards: offline, from anywhere, the folder is used as it is; from the script's folder the repo id
+    # is also an existing path, which wins.
+    for cwd in (elsewhere, app):
+        text, _, _, _ = parse_success(run_cli("--model", REPO, "--max-tokens", 24, cwd=cwd,
+                                              script=app / SCRIPT.name))
+        assert text == greedy_24
+
+
+def test_repo_id_failing_midway_leaves_nothing(app, sharded_model):
+    with FakeHub(sharded_model, repo=REPO, missing={"model-00002-of-00003.safetensors"}) as hub:
+        rc, out, err = run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, **online(hub))
+    assert ("GET", f"/{REPO}/resolve/main/model-00001-of-00003.safetensors") in hub.requests
+    first, rest = err.split("\n", 1)
+    assert first.startswith(f"Downloading {REPO} (8 files, ")
+    assert_one_line_error((rc, out, rest), 1, f"could not download {REPO}",
+                          f"hf download {REPO} --local-dir {app / REPO}")
+    assert leftovers(app) == []  # not even an empty someone/ folder
+
+
+def test_repo_id_offline(app):
+    assert_one_line_error(run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE="1"), 1,
+                          f"model folder {app / REPO} not found", f"could not download {REPO}")
+    assert leftovers(app) == []
+
+
+def test_repo_id_no_download(app):
+    assert_one_line_error(run_cli("--model", REPO, "--no-download", cwd=app, script=app / SCRIPT.name), 1,
+                          "--no-download", f"hf download {REPO} --local-dir {app / REPO}")
+    assert leftovers(app) == []
+
+
+def test_repo_id_not_found(app, tiny_model):
+    with FakeHub(tiny_model) as hub:  # serves Qwen/Qwen3-0.6B only
+        result = run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, **online(hub))
+    assert_one_line_error(result, 1, f"could not download {REPO}", "RepositoryNotFound")
+    assert leftovers(app) == []
+
+
+def test_repo_id_of_a_moe_model_is_refused_before_its_weights(app, tiny_model, variant):
+    folder = variant(config_json=tiny_config(tiny_model) | {"model_type": "qwen3_moe"})
+    with FakeHub(folder, repo=REPO) as hub:
+        result = run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, **online(hub))
+    assert_one_line_error(result, 1, f"{REPO}/config.json describes a mixture-of-experts model")
+    assert ("GET", f"/{REPO}/resolve/main/config.json") in hub.requests
+    assert not any(path.endswith(".safetensors") for _, path in hub.requests)
+    assert leftovers(app) == []
+
+
+def test_repo_id_without_safetensors(app, variant):
+    folder = variant(model_safetensors=None)
+    with FakeHub(folder, repo=REPO) as hub:
+        result = run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, **online(hub))
+    assert_one_line_error(result, 1, f"{REPO} has no model.safetensors")
+    assert leftovers(app) == []
+
+
+def test_existing_folder_named_like_a_repo_id_is_never_downloaded_into(tiny_model, tmp_path):
+    folder = tmp_path / "someone" / "model"
+    folder.mkdir(parents=True)
+    shutil.copy(tiny_model / "config.json", folder / "config.json")
+    assert_one_line_error(run_cli("--model", "someone/model", cwd=tmp_path, HF_HUB_OFFLINE=None,
+                                  HF_ENDPOINT="http://127.0.0.1:9"), 1,
+                          "someone/model lacks model.safetensors, tokenizer.json", "point --model at a folder")
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
+
+
+@pytest.mark.parametrize("text, repo", [("Qwen/Qwen3-1.7B", True), ("mlx-community/Qwen3-4B-4bit", True),
+                                        ("Qwen3-0.6B", False), ("./Qwen/Qwen3-1.7B", False),
+                                        ("/models/Qwen3", False), ("a/b/c", False), ("../x", False),
+                                        ("~/Qwen3", False)])
+def test_repo_id_or_folder(text, repo):
+    assert li.is_repo_id(text) == repo
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. Ctrl-C during generation
 # ------------------------------------------------------------------------------------------------
 
 def test_ctrl_c_keeps_text_and_prints_stats(tiny_model, reference, tmp_path):

@@ -42,17 +42,16 @@ PROMPTS = {
 CHECKPOINTS = {
     # TINY_CONFIG: 2 layers, 4 query heads sharing 2 KV heads, head_dim 16, tied embeddings.
     "tied": (TINY_CONFIG, 0),
-    # Separate lm_head.weight: catches a head that silently falls back to the embedding table.
-    "untied": ({**TINY_CONFIG, "tie_word_embeddings": False}, 1),
-    # 4 query heads per KV head, wider heads, an odd number of layers.
-    "gqa4_hd32_3layers": (
+    # Separate lm_head.weight: catches a head that silently falls back to the embedding table. Split into
+    # three shards with an index, as Qwen3-1.7B and larger ship.
+    "untied_3_shards": ({**TINY_CONFIG, "tie_word_embeddings": False}, 1, {"shards": 3}),
+    # 4 query heads per KV head, wider heads, an odd number of layers; tied, in two shards.
+    "gqa4_hd32_3layers_2_shards": (
         {**TINY_CONFIG, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
          "num_hidden_layers": 3, "max_window_layers": 3},
         2,
+        {"shards": 2},
     ),
-    # Split into shards with an index, as Qwen3-1.7B and larger ship.
-    "sharded_tied": (TINY_CONFIG, 3, {"shards": 2}),
-    "sharded_untied": ({**TINY_CONFIG, "tie_word_embeddings": False}, 4, {"shards": 3}),
     # Tied in config.json, yet the file also holds a different lm_head.weight: transformers 5 then
     # leaves the two untied and uses the stored head (checked below), and so must we.
     "tied_differing_head": (TINY_CONFIG, 5, {"tied_head": "different"}),

@@ -1,5 +1,8 @@
 """The whole model against mlx-lm on the same checkpoint, the KV cache against recomputation, and sampling."""
 
+import subprocess
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -10,13 +13,11 @@ import llm_inference as li
 from tests.checkpoint import TINY_CONFIG, write_checkpoint
 from tests.kernels import kernels
 
-CONFIGS = {  # name: (config overrides, number of weight files)
+CONFIGS = {  # name: (config overrides, number of weight files: 1 = model.safetensors, else shards)
     "tied": (TINY_CONFIG, 1),
-    "untied": (TINY_CONFIG | {"tie_word_embeddings": False}, 1),
-    "8q-2kv": (TINY_CONFIG | {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
-                              "num_hidden_layers": 3}, 1),
-    "sharded-tied": (TINY_CONFIG, 2),
-    "sharded-untied": (TINY_CONFIG | {"tie_word_embeddings": False}, 3),
+    "untied-3-shards": (TINY_CONFIG | {"tie_word_embeddings": False}, 3),
+    "8q-2kv-2-shards": (TINY_CONFIG | {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+                                       "num_hidden_layers": 3}, 2),
 }
 
 
@@ -142,7 +143,7 @@ def test_tokenize_and_chat_tokens(checkpoint):
 def test_seeded_sampling_reproduces(checkpoint):
     folder, config, weights, tokenizer = checkpoint
     ids = tokenizer.encode(PROMPT).ids
-    run = lambda seed: tokens(li.generate(ids, weights, config, 16, li.Sampling(1.0, 50, 0.95, seed)))
+    run = lambda seed: tokens(li.generate(ids, weights, config, 16, li.Sampling(temperature=1.0, top_k=50, top_p=0.95, seed=seed)))
     assert run(3) == run(3)
     assert run(3) != run(4)
 
@@ -232,3 +233,32 @@ def test_loading_float32_keeps_the_peak_near_the_weights(tmp_path):
     f32_bytes = sum(w.nbytes for w in [weights["embed_tokens"], weights["norm"]]
                     + [w for layer in weights["layers"] for w in layer.values()])
     assert peak < 1.15 * f32_bytes, f"peak {peak / f32_bytes:.2f}x the float32 weights"
+
+
+def test_weight_bytes_counts_every_tensor_once(checkpoint):
+    folder, config, weights, _ = checkpoint
+    loaded = {id(w): w for w in [weights["embed_tokens"], weights["norm"], weights["lm_head"],
+                                 *(w for layer in weights["layers"] for w in layer.values())]}
+    float32_bytes = sum(w.nbytes for w in loaded.values())  # the tied head is the embedding: once
+    assert li.weight_bytes(config, mx.float32) == float32_bytes
+    assert li.weight_bytes(config, mx.bfloat16) == float32_bytes // 2
+
+
+def test_memory_check_refuses_only_what_does_not_fit():
+    li.check_memory(8 * 10**9, 8 * 10**9, mx.bfloat16)  # exactly fits: runs
+    with pytest.raises(li.UserError, match=r"need 8\.0 GB as bfloat16, but this machine has 7\.9 GB of memory; "
+                                           r"try --quantize 4, or a smaller model"):
+        li.check_memory(8 * 10**9, 7.9e9, mx.bfloat16)
+    with pytest.raises(li.UserError, match=r"16\.4 GB as float32.*try --dtype bfloat16 \(half the bytes\), --quantize 4"):
+        li.check_memory(16.4e9, 8e9, mx.float32)
+
+
+def test_memory_size_is_this_machines_memory():
+    if mx.default_device() == mx.gpu and not mx.metal.is_available():  # CUDA: the card's own memory
+        total = mx.device_info()["total_memory"]
+    elif sys.platform == "darwin":  # unified memory: the GPU's is the machine's
+        total = int(subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True).stdout)
+    else:
+        with open("/proc/meminfo") as f:  # Linux's own count, in KiB, independent of os.sysconf
+            total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
+    assert abs(li.memory_size() - total) < 0.05 * total

@@ -145,3 +145,14 @@ def test_quantized_model_matches_mlx_lm_on_the_converted_folder(folder, converte
     theirs_tokens = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=40)]
     assert len(set(ours_tokens)) > 3
     assert ours_tokens == theirs_tokens
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_memory_check_counts_the_quantized_bytes(folder, bits, dtype):
+    config = li.load_config(folder)
+    weights = li.load_weights(folder, config, dtype, bits)
+    loaded = {id(w): w for w in [weights["embed_tokens"], weights["norm"], weights["lm_head"],
+                                 *(w for layer in weights["layers"] for w in layer.values())]}
+    arrays = [a for w in loaded.values() for a in (w[:3] if isinstance(w, li.Quantized) else [w])]
+    assert li.weight_bytes(config, dtype, bits) == sum(a.nbytes for a in arrays)

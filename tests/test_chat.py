@@ -1,0 +1,267 @@
+"""Multi-turn chat (Part 1, section 13) and the sampling filters (section 10).
+
+A conversation's token ids are checked against Qwen3's official chat template, rendered by transformers
+(the template is in tests/checkpoint.py) and against renderings written out by hand from its rules; the
+cache reused across turns is checked against recomputing the whole conversation from scratch. The
+filters are checked against transformers' own logits warpers.
+"""
+
+import numpy as np
+import mlx.core as mx
+import pytest
+import torch
+from transformers import AutoTokenizer
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import llm_inference as li
+from tests.checkpoint import TINY_CONFIG, write_checkpoint
+
+THINK, END_THINK, IM_END = 151667, 151668, 151645
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = write_checkpoint(tmp_path_factory.mktemp("chat") / "tiny", TINY_CONFIG)
+    config = li.load_config(folder)
+    return folder, config, li.load_weights(folder, config, mx.float32), li.load_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(model):
+    return AutoTokenizer.from_pretrained(model[0])
+
+
+def make_chat(model, system=None, think=True):
+    _, config, weights, tokenizer = model
+    return li.Chat(weights, config, tokenizer, system, think)
+
+
+def ids(model, text):
+    return model[3].encode(text).ids
+
+
+# ------------------------------------------------------------------------------------------------
+# What the model sees: the template's token sequence
+# ------------------------------------------------------------------------------------------------
+
+REASONED = "<think>\nThe user says hi.\n</think>\n\nHello! How can I help?"
+
+
+@pytest.mark.parametrize("system", [None, "Be brief.", ""])
+@pytest.mark.parametrize("think", [True, False])
+def test_prompt_ids_follow_the_rules_of_qwen3s_template(model, system, think):
+    chat = make_chat(model, system, think)
+    # Two earlier turns: a reply with reasoning, and one stopped (Ctrl-C) while still thinking.
+    chat.turns = [("Hi", ids(model, REASONED)), ("Why?", ids(model, "<think>\nLet me see"))]
+    expected = ("" if system is None else f"<|im_start|>system\n{system}<|im_end|>\n") + (
+        "<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello! How can I help?<|im_end|>\n"  # reasoning and newlines gone
+        "<|im_start|>user\nWhy?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nLet me see<|im_end|>\n"  # no </think>: kept whole
+        "<|im_start|>user\nAnd now?<|im_end|>\n"
+        "<|im_start|>assistant\n") + ("" if think else "<think>\n\n</think>\n\n")
+    assert chat.prompt_ids("And now?") == ids(model, expected)
+
+
+def test_a_reply_made_without_thinking_loses_the_empty_think_block(model):
+    chat = make_chat(model, think=False)
+    chat.turns = [("Hi", ids(model, "Hello!"))]  # generated after "<think>\n\n</think>\n\n"
+    assert chat.prompt_ids("Bye") == ids(model, (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+        "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"))
+
+
+@pytest.mark.parametrize("think", [True, False])
+def test_prompt_ids_decode_to_the_official_template(model, hf_tokenizer, think):
+    chat = make_chat(model, "You are terse.", think)
+    replies = [REASONED, "<think>\n\n</think>\n\nSure.", "Plain answer.\n", "<think>\nhalf a tho"]
+    messages = [{"role": "system", "content": "You are terse."}]
+    for n, reply in enumerate(replies):
+        chat.turns.append((f"Question {n}", ids(model, reply)))
+        messages += [{"role": "user", "content": f"Question {n}"},
+                     {"role": "assistant", "content": reply}]
+    messages.append({"role": "user", "content": "Last one"})
+    official = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                enable_thinking=think)
+    got = chat.prompt_ids("Last one")
+    assert model[3].decode(got, skip_special_tokens=False) == official
+    assert got == ids(model, official)  # these replies re-tokenize to the same ids
+
+
+# ------------------------------------------------------------------------------------------------
+# The cache across turns: rolled back, reused, and exactly what recomputing from scratch gives
+# ------------------------------------------------------------------------------------------------
+
+def from_scratch(model, prompt_ids):
+    """The next token's logits with a fresh cache: the whole conversation computed again."""
+    _, config, weights, _ = model
+    return li.forward(mx.array(prompt_ids), weights, config, li.make_cache(config))
+
+
+def run_turn(chat, message, max_tokens, stop_after=None):
+    """Greedy reply; stop_after=n closes the generator after n tokens, as the chat loop does on Ctrl-C."""
+    replies, got = chat.reply(message, max_tokens, eos_ids={IM_END}), []
+    for token_id, _ in replies:
+        got.append(token_id)
+        if len(got) == stop_after:
+            replies.close()
+    return got
+
+
+@pytest.mark.parametrize("think", [True, False])
+def test_turns_reuse_the_cache_and_match_recomputing_everything(model, think):
+    _, config, weights, _ = model
+    chat = make_chat(model, "Be brief.", think)
+    previous = None  # the last turn's (prompt, reply)
+    for n, (message, stop) in enumerate([("One", None), ("Two", 3), ("Three", None)]):
+        prompt = chat.prompt_ids(message)
+        expected = [t for t, _ in li.generate(prompt, weights, config, 12, eos_ids={IM_END})]
+        reply = run_turn(chat, message, 12, stop)
+        assert reply == expected[:stop]  # greedy: the same tokens as from scratch
+        assert chat.reused + chat.prefilled == len(prompt)
+        if previous is None:
+            assert chat.reused == 0
+        elif think:  # the random model writes no </think>, so no history is rewritten: all the
+            # cache is reused, except a reply's last token when it hit max_tokens (not fed back).
+            assert chat.reused == len(previous[0]) + len(previous[1]) - (len(previous[1]) == 12)
+        else:  # the empty think block (4 tokens) of the last generation prompt is rolled back
+            assert chat.reused == len(previous[0]) - 4
+        previous = prompt, [t for t in reply if t != IM_END]
+    # After three turns with roll-backs, the next token's logits equal a from-scratch pass.
+    prompt = chat.prompt_ids("Four")
+    _, logits = next(chat.reply("Four", 1))
+    assert mx.allclose(logits, from_scratch(model, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_a_rewritten_history_rolls_the_cache_back_to_where_it_differs(model):
+    """As when the template drops a reply's reasoning: the cache holds the reply as generated, the
+    new rendering differs from its start on, and only the part after the shared prefix is computed."""
+    chat = make_chat(model)
+    generated_prompt = chat.prompt_ids("One")
+    run_turn(chat, "One", 8)
+    chat.turns[-1] = ("One", ids(model, REASONED))  # now the history holds another reply
+    prompt = chat.prompt_ids("Two")
+    _, logits = next(chat.reply("Two", 1))
+    assert chat.reused == len(generated_prompt)  # up to "<|im_start|>assistant\n" of the reply
+    assert mx.allclose(logits, from_scratch(model, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_ctrl_c_inside_a_step_leaves_a_usable_cache(model, monkeypatch):
+    """Ctrl-C can land while a step runs through the layers: some layers' caches then hold one more
+    position than others. The next turn must still see exactly the conversation."""
+    chat = make_chat(model)
+    block, calls = li.transformer_block, 0
+
+    def interrupted_block(*args):
+        nonlocal calls
+        calls += 1
+        if calls == 2 * config.num_hidden_layers + 2:  # prefill, a decode step, then in the next
+            raise KeyboardInterrupt  # one at layer 1, when layer 0 has stored its new position
+        return block(*args)
+
+    config = model[1]
+    monkeypatch.setattr(li, "transformer_block", interrupted_block)
+    with pytest.raises(KeyboardInterrupt):
+        run_turn(chat, "One", 8)
+    monkeypatch.setattr(li, "transformer_block", block)
+    offsets = {c.offset for c in chat.cache}
+    assert len(offsets) == 2  # the layers disagree, as described
+    assert len(chat.turns) == 1  # the partial reply stays in the history
+    prompt = chat.prompt_ids("Two")
+    _, logits = next(chat.reply("Two", 1))
+    assert mx.allclose(logits, from_scratch(model, prompt), atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling filters against transformers' warpers
+# ------------------------------------------------------------------------------------------------
+
+def kept_by_transformers(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    scores = torch.tensor(np.array(logits), dtype=torch.float32)[None]
+    warpers = [TemperatureLogitsWarper(temperature)]
+    warpers += [TopKLogitsWarper(top_k)] if top_k else []
+    warpers += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+    warpers += [MinPLogitsWarper(min_p)] if min_p else []
+    for warper in warpers:
+        scores = warper(None, scores)
+    return set(torch.nonzero(torch.isfinite(scores[0])).flatten().tolist())
+
+
+def kept_by_us(logits, **sampling):
+    filtered = np.array(li.filter_logits(logits, li.Sampling(**sampling)))
+    return set(np.nonzero(np.isfinite(filtered))[0].tolist())
+
+
+def bfloat16_logits(seed, n=4096):
+    """Logits as a bfloat16 model gives them: 8 bits of mantissa, so many are exactly equal."""
+    return mx.random.normal((n,), key=mx.random.key(seed)).astype(mx.bfloat16).astype(mx.float32) * 3
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("top_k", [1, 20, 50])
+def test_top_k_keeps_every_token_tied_with_the_kth_as_transformers_does(seed, top_k):
+    logits = bfloat16_logits(seed)
+    values = np.sort(np.array(logits))[::-1]
+    kept = kept_by_us(logits, temperature=0.7, top_k=top_k)
+    assert kept == kept_by_transformers(logits, 0.7, top_k=top_k)
+    assert len(kept) == int(np.sum(values >= values[top_k - 1]))
+
+
+def test_top_k_ties_are_really_exercised():
+    """The cases above include ties at the k-th logit: more than k tokens are kept."""
+    sizes = [len(kept_by_us(bfloat16_logits(seed), temperature=1.0, top_k=20)) for seed in range(6)]
+    assert any(size > 20 for size in sizes), sizes
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("min_p", [0.01, 0.1, 0.5])
+@pytest.mark.parametrize("temperature", [0.6, 1.5])
+def test_min_p_keeps_the_tokens_transformers_keeps(seed, min_p, temperature):
+    logits = bfloat16_logits(seed)
+    assert kept_by_us(logits, temperature=temperature, min_p=min_p) ==         kept_by_transformers(logits, temperature, min_p=min_p)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("top_k,top_p,min_p", [(20, 0.95, 0.0), (0, 0.8, 0.0), (20, 0.8, 0.05),
+                                               (50, 0.5, 0.1), (0, 0.9, 0.2)])
+def test_the_filters_chained_keep_what_transformers_keeps(seed, top_k, top_p, min_p):
+    # Distinct float32 logits: with ties at the top-p boundary, transformers' choice depends on its
+    # sort order (we keep all tied tokens: the rule in filter_logits).
+    logits = mx.random.normal((4096,), key=mx.random.key(100 + seed)) * 2
+    assert kept_by_us(logits, temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p) ==         kept_by_transformers(logits, 0.7, top_k, top_p, min_p)
+
+
+def test_top_p_keeps_tokens_tied_with_the_last_one_kept():
+    logits = mx.log(mx.array([0.4, 0.2, 0.2, 0.1, 0.1]))
+    # 0.4 < 0.5 so the next token stays; the other 0.2 is equally likely, so it stays with it.
+    assert kept_by_us(logits, temperature=1.0, top_p=0.5) == {0, 1, 2}
+
+
+def test_presence_penalty_lowers_each_generated_token_once():
+    logits = mx.array([2.0, 1.5, 1.0, 0.0])
+    sampling = li.Sampling(presence_penalty=0.8)
+    in_reply = mx.array([1.0, 0.0, 0.0, 0.0])
+    assert li.sample(logits, sampling, mx.random.key(0), in_reply).item() == 1  # 2.0 - 0.8 < 1.5
+    assert li.sample(logits, sampling, mx.random.key(0), mx.zeros(4)).item() == 0
+
+
+def test_generate_applies_the_presence_penalty_to_the_reply_so_far(model):
+    """Against a plain loop that recomputes everything and penalises the tokens seen so far."""
+    _, config, weights, tokenizer = model
+    prompt = tokenizer.encode("The capital of France is").ids
+    penalty = 2.0
+    sampling = li.Sampling(presence_penalty=penalty)
+    got = [t for t, _ in li.generate(prompt, weights, config, 16, sampling)]
+    expected, seen = [], np.zeros(config.vocab_size, np.float32)
+    for _ in range(16):
+        logits = np.array(from_scratch(model, prompt + expected)) - penalty * seen
+        expected.append(int(np.argmax(logits)))
+        seen[expected[-1]] = 1
+    assert got == expected
+    plain = [t for t, _ in li.generate(prompt, weights, config, 16)]
+    assert plain != got  # the random model repeats itself without the penalty

@@ -1,0 +1,306 @@
+"""`--chat` end to end: a conversation over piped stdin, as a real subprocess.
+
+Each reply is compared with what Qwen3's official chat template (rendered by transformers) plus greedy
+decoding from scratch gives, turn by turn; earlier replies enter the rendering as the ids the model
+generated. The tiny random model never writes <think>, so the thinking display is checked on
+ReplyPrinter directly, with the terminal simulated.
+"""
+
+import io
+import json
+import re
+import signal
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from transformers import AutoTokenizer
+
+import llm_inference as li
+from tests.test_cli import (  # noqa: F401 (fixtures)
+    SCRIPT,
+    Reference,
+    assert_one_line_error,
+    cli_env,
+    reference,
+    run_cli,
+    tiny_model,
+    variant,
+)
+
+TURN = re.compile(r"^(Interrupted\. )?Turn (\d+): (\d+) tokens reused from the cache, (\d+) prefilled "
+                  r"at [\d.]+ tok/s \| Reply: (\d+) tokens(, \d+ thinking)?, [\d.]+ tok/s$")
+GREEDY_WARNING = "warning: Qwen advises against greedy decoding"
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def official_ids(hf_tokenizer, reference, system, history, message, think):
+    """The official template's rendering of the conversation, tokenized, with each earlier reply
+    spliced in as its generated ids (a placeholder marks where the template puts it)."""
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    for n, (user, _) in enumerate(history):
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": f"@@{n}@@"}]
+    messages.append({"role": "user", "content": message})
+    text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                            enable_thinking=think)
+    ids = []
+    for n, (_, reply) in enumerate(history):
+        before, text = text.split(f"@@{n}@@")
+        ids += reference.ids(before) + reply
+    return ids + reference.ids(text)
+
+
+def greedy(reference, ids, max_tokens):
+    """Greedy decoding from scratch (a fresh cache); the reply without its end-of-turn token."""
+    out = [t for t, _ in li.generate(ids, reference.weights, reference.config, max_tokens,
+                                     eos_ids=reference.eos_ids)]
+    return [t for t in out if t not in reference.eos_ids]
+
+
+def common_prefix(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def turn_lines(err):
+    return [TURN.match(line) for line in err.splitlines() if TURN.match(line)]
+
+
+@pytest.mark.parametrize("think,system", [(True, None), (False, "Answer in French.")])
+def test_a_piped_three_turn_chat_gives_the_official_templates_greedy_replies(
+        tiny_model, reference, hf_tokenizer, tmp_path, think, system):
+    messages = ["Hello!", "What is the capital of France?", "Thanks. And of Italy?"]
+    flags = ["--no-think"] * (not think) + (["--system", system] if system is not None else [])
+    rc, out, err = run_cli("--model", tiny_model, "--chat", "--temperature", 0, "--max-tokens", 12,
+                           *flags, cwd=tmp_path, stdin="".join(m + "\n" for m in messages).encode())
+    assert rc == 0 and "Traceback" not in err, err
+    history, expected_out, turns, cached = [], "", turn_lines(err), []
+    assert len(turns) == 3, err
+    for n, message in enumerate(messages):
+        ids = official_ids(hf_tokenizer, reference, system, history, message, think)
+        reply = greedy(reference, ids, 12)
+        assert 151668 not in reply  # no </think>: the template keeps the whole reply (the splice)
+        # A reply cut off inside a character: its incomplete bytes (U+FFFD here) are never printed.
+        text = reference.tokenizer.decode(reply, skip_special_tokens=True).rstrip("\ufffd")
+        expected_out += text + "\n"
+        reused, prefilled = int(turns[n][3]), int(turns[n][4])
+        assert reused + prefilled == len(ids) and int(turns[n][5]) == len(reply)
+        # Reused: what the cache held (the last prompt and reply; a reply's last token is not fed
+        # back when it hit --max-tokens) as far as it agrees with this turn's rendering.
+        assert reused == common_prefix(cached, ids)
+        cached = ids + reply[:11]
+        history.append((message, reply))
+    assert out == expected_out
+    assert GREEDY_WARNING in err.splitlines()[0]
+
+
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_model, reference, hf_tokenizer, tmp_path):
+    first_message, second_message = "Tell me a long story.", "Shorter, please."
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--model", str(tiny_model), "--chat",
+                             "--temperature", "0", "--max-tokens", "1000"], cwd=tmp_path,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=cli_env(tmp_path / ".hf-home"))
+    try:
+        proc.stdin.write(f"{first_message}\n".encode())
+        proc.stdin.flush()
+        assert proc.stdout.read(1)  # the first reply is streaming (1000 tokens take seconds)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(f"{second_message}\n".encode(), timeout=300)
+    finally:
+        proc.kill()
+    out, err = out.decode(), err.decode()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    first, second = turn_lines(err)
+    assert first[1] and not second[1]  # "Interrupted. Turn 1: ...", then an ordinary turn 2
+    n_partial = int(first[5])
+    assert 0 < n_partial < 1000
+    # The partial reply stays in the history: turn 2 answers the conversation that includes it.
+    ids = official_ids(hf_tokenizer, reference, None, [], first_message, True)
+    partial = greedy(reference, ids, n_partial)
+    ids = official_ids(hf_tokenizer, reference, None, [(first_message, partial)], second_message,
+                       True)
+    assert int(second[3]) + int(second[4]) == len(ids)
+    reply = greedy(reference, ids, 1000)
+    assert int(second[5]) == len(reply)
+    tail = "\n" + reference.tokenizer.decode(reply, skip_special_tokens=True).rstrip("\ufffd") + "\n"
+    assert out.endswith(tail)
+    # Before it, what was printed of the partial reply (the interrupted token may not have been).
+    assert reference.tokenizer.decode(partial, skip_special_tokens=True).startswith(out[:-len(tail)])
+
+
+def test_reset_and_exit(tiny_model, reference, hf_tokenizer, tmp_path):
+    rc, out, err = run_cli("--model", tiny_model, "--chat", "--temperature", 0, "--max-tokens", 6,
+                           cwd=tmp_path, stdin=b"Hi\n/reset\nHello\n\n/exit\nNever answered\n")
+    assert rc == 0, err
+    assert "(conversation reset)" in err.splitlines()
+    turns = turn_lines(err)
+    assert [int(t[2]) for t in turns] == [1, 1]  # turn numbers: the reset started over
+    replies = [greedy(reference, official_ids(hf_tokenizer, reference, None, [], m, True), 6)
+               for m in ("Hi", "Hello")]  # the second without the first in its history
+    texts = [reference.tokenizer.decode(r, skip_special_tokens=True).rstrip("\ufffd") for r in replies]
+    assert out == "".join(text + "\n" for text in texts)
+
+
+def test_a_conversation_outgrowing_the_context_forgets_its_oldest_turns(
+        tiny_model, reference, hf_tokenizer, variant, tmp_path):
+    config = json.loads((tiny_model / "config.json").read_text()) | {"max_position_embeddings": 80}
+    folder = variant("short-context", config_json=config)
+    messages = ["One", "Two", "Three", "Four", "x " * 100]
+    rc, out, err = run_cli("--model", folder, "--chat", "--no-think", "--temperature", 0,
+                           "--max-tokens", 10, cwd=tmp_path,
+                           stdin="".join(m + "\n" for m in messages).encode())
+    assert rc == 0, err
+    lines = err.splitlines()
+    assert any(line.startswith("(the conversation outgrew the 80-token context: forgot the oldest")
+               for line in lines), err
+    assert any(line.startswith("error: this message makes a") and "80-token context" in line
+               for line in lines), err  # the last message alone is too long: skipped, no exit
+    # Replay by the rule: before each turn, drop the oldest turns until prompt + 10 fit in 80.
+    history, expected = [], ""
+    for message in messages[:4]:
+        while len(official_ids(hf_tokenizer, reference, None, history, message, False)) + 10 > 80:
+            history.pop(0)
+        reply = greedy(reference, official_ids(hf_tokenizer, reference, None, history, message,
+                                               False), 10)
+        expected += reference.tokenizer.decode(reply, skip_special_tokens=True).rstrip("\ufffd")
+        expected += "\n"
+        history.append((message, reply))
+    assert out == expected
+    assert [int(t[2]) for t in turn_lines(err)] == [1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------------------------------------
+# Thinking, shown properly: ReplyPrinter with a simulated terminal
+# ------------------------------------------------------------------------------------------------
+
+class Stream(io.StringIO):
+    def __init__(self, tty):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+
+def printed(reference, monkeypatch, text, hide_think, tty, stop_after=None):
+    """(stdout, stderr) of ReplyPrinter given the ids of `text` (then <|im_end|>)."""
+    out, err = Stream(tty), Stream(tty)
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    printer = li.ReplyPrinter(reference.tokenizer, hide_think)
+    for token_id in (reference.ids(text) + [151645])[:stop_after]:
+        printer.add(token_id)
+    printer.finish()
+    return out.getvalue(), err.getvalue(), printer
+
+
+REPLY = "<think>\nThe user asks about Paris.\n</think>\n\nParis is the capital."
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+
+
+def test_on_a_terminal_the_reasoning_is_dimmed_and_the_answer_plain(reference, monkeypatch):
+    out, err, printer = printed(reference, monkeypatch, REPLY, hide_think=False, tty=True)
+    assert out == f"{DIM}<think>\nThe user asks about Paris.\n</think>{PLAIN}\n\nParis is the capital.\n"
+    assert err == ""
+    assert printer.n_thinking == len(reference.ids("\nThe user asks about Paris.\n"))
+
+
+def test_hide_think_shows_a_progress_line_and_only_the_answer(reference, monkeypatch):
+    out, err, printer = printed(reference, monkeypatch, REPLY, hide_think=True, tty=True)
+    assert out == "Paris is the capital.\n"
+    n = printer.n_thinking
+    assert err == "".join(f"\rthinking… ({i} tokens)" for i in range(1, n + 1)) + "\r\x1b[K"
+
+
+def test_without_a_terminal_the_text_is_written_as_it_is(reference, monkeypatch):
+    out, err, _ = printed(reference, monkeypatch, REPLY, hide_think=False, tty=False)
+    assert out == REPLY + "\n" and err == ""
+    out, err, _ = printed(reference, monkeypatch, REPLY, hide_think=True, tty=False)
+    assert out == "Paris is the capital.\n" and err == ""  # no progress line, no colour codes
+
+
+def test_a_reply_stopped_while_thinking_restores_the_colour(reference, monkeypatch):
+    out, _, _ = printed(reference, monkeypatch, REPLY, hide_think=False, tty=True, stop_after=4)
+    assert out.startswith(DIM) and out.endswith(PLAIN + "\n")
+    out, err, _ = printed(reference, monkeypatch, REPLY, hide_think=True, tty=True, stop_after=4)
+    assert out == "\n" and err.endswith("\r\x1b[K")  # the progress line is cleared
+
+
+def test_no_color_turns_colours_off(reference, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", Stream(True))
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not li.ReplyPrinter(reference.tokenizer, False).colour
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling settings
+# ------------------------------------------------------------------------------------------------
+
+SETTINGS = re.compile(r"temperature ([\d.]+), top-p ([\d.]+), top-k (\d+), seed (\d+)(, min-p ([\d.]+))?")
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--chat"], ("0.6", "0.95", "20", None)),  # generation_config.json (thinking mode)
+    (["--chat", "--no-think"], ("0.7", "0.8", "20", None)),  # Qwen's model card, non-thinking
+    (["--chat", "--no-think", "--top-k", "5", "--min-p", "0.05"], ("0.7", "0.8", "5", "0.05")),
+    (["--temperature", "0.9"], ("0.9", "0.95", "20", None)),  # completion: generation_config.json
+])
+def test_sampling_defaults(tiny_model, tmp_path, flags, expected):
+    rc, _, err = run_cli("--model", tiny_model, "--prompt", "Hi", "--max-tokens", 2, "--seed", 3,
+                         *flags, cwd=tmp_path)
+    assert rc == 0, err
+    settings = SETTINGS.search(err.splitlines()[1])
+    assert (settings[1], settings[2], settings[3], settings[6]) == expected
+
+
+def test_completion_sampling_falls_back_on_transformers_defaults(variant, tmp_path, reference):
+    """Without generation_config.json, top-k 50 and top-p 1.0 as transformers' generate() uses."""
+    folder = variant("no-generation-config", generation_config_json=None)
+    rc, out, err = run_cli("--model", folder, "--prompt", "Hi", "--max-tokens", 8, "--seed", 3,
+                           "--temperature", "0.9", cwd=tmp_path)
+    assert rc == 0, err
+    assert "temperature 0.9, top-p 1.0, top-k 50, seed 3" in err.splitlines()[1]
+    sampling = li.Sampling(temperature=0.9, top_k=50, top_p=1.0, seed=3)
+    ids = [t for t, _ in li.generate(reference.ids("Hi"), reference.weights, reference.config, 8,
+                                     sampling, {151643, 151645})]
+    assert out == reference.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd") + "\n"
+
+
+def test_presence_penalty_reaches_the_sampler(tiny_model, reference, tmp_path):
+    rc, out, err = run_cli("--model", tiny_model, "--prompt", "Hi", "--max-tokens", 16,
+                           "--presence-penalty", "2", cwd=tmp_path)
+    assert rc == 0, err
+    assert "greedy, presence penalty 2.0" in err.splitlines()[1]
+    ids = [t for t, _ in li.generate(reference.ids("Hi"), reference.weights, reference.config, 16,
+                                     li.Sampling(presence_penalty=2.0), reference.eos_ids)]
+    assert out == reference.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd") + "\n"
+    assert out != reference.text("Hi", 16) + "\n"  # the penalty changed the reply
+
+
+def test_greedy_chat_warns_in_one_line(tiny_model, tmp_path):
+    rc, _, err = run_cli("--model", tiny_model, "--chat", "--prompt", "Hi", "--max-tokens", 2,
+                         "--temperature", 0, cwd=tmp_path)
+    assert rc == 0
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert warnings == [err.splitlines()[0]] and "endless repetition" in warnings[0]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--hide-think"], "--hide-think"),
+    (["--chat", "--trace"], "--trace needs a single message"),
+    (["--chat", "--no-cache"], "--no-cache needs a single message"),
+    (["--chat", "--top-probs", "3"], "--top-probs needs a single message"),
+    (["--min-p", "1.5"], "--min-p"),
+    (["--presence-penalty", "-1"], "--presence-penalty"),
+])
+def test_chat_flag_mistakes_are_one_line(tiny_model, tmp_path, args, needle):
+    rc, out, err = run_cli("--model", tiny_model, *args, cwd=tmp_path)
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1 and needle in err, err
