@@ -1060,3 +1060,16 @@ def test_closed_stdout_pipe_ends_quietly(tiny_model, tmp_path):
     stderr = proc.stderr.read().decode("utf-8")
     assert proc.wait(timeout=120) == 141, stderr
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+
+
+def test_mlx_quantized_repo_id(app, tiny_model, converted_4bit):
+    """An mlx-community-style repo (stored 4-bit) fetched by its id runs as the --quantize 4 text."""
+    repo = "mlx-community/Qwen3-Tiny-4bit"
+    with FakeHub(converted_4bit, repo=repo) as hub:
+        rc, out, err = run_cli("--model", repo, "--max-tokens", 24, cwd=app, script=app / SCRIPT.name,
+                               **online(hub))
+    first, rest = err.split("\n", 1)
+    assert first.startswith(f"Downloading {repo} (")
+    text, lines, _, _ = parse_success((rc, out, rest))
+    assert lines[0].endswith(", 4-bit weights")
+    assert text == Reference(tiny_model, li.pick_dtype("auto"), 4).text(PROMPT, 24)
