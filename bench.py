@@ -4,6 +4,7 @@
     python bench.py --tiny               # a 2-layer model: measures per-token overhead, not the matmuls
     python bench.py --device cpu --dtype float32 --prompt-lengths 128 --decode-tokens 64
     python bench.py --quantize 4         # both runtimes on the same 4-bit weights (as mlx_lm.convert makes)
+    python bench.py --model Qwen/Qwen3-1.7B --quantize 8   # a folder or a repo id (downloaded once)
 
 For each prompt length: a warm-up, then --reps repetitions alternating which runtime goes first. Prints
 medians of prefill speed, time to first token (TTFT), decode speed and peak memory, the ratios ours /
@@ -190,7 +191,8 @@ def load_pair(model_dir, dtype, bits=None):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint folder (default: ./Qwen3-0.6B if present, else random weights)")
+    ap.add_argument("--model", help="checkpoint folder or Hugging Face repo id (default: ./Qwen3-0.6B if present, "
+                                    "else random weights)")
     ap.add_argument("--tiny", action="store_true", help="random 2-layer model instead of the 0.6B shape")
     ap.add_argument("--device", choices=["cpu", "gpu"], help="default: MLX's default device")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
@@ -212,8 +214,13 @@ def main():
         return
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(args.model) if args.model else Path("Qwen3-0.6B")
-        if args.tiny or not (model_dir / "model.safetensors").exists():
+        model_dir = Path("Qwen3-0.6B")
+        if args.model and not args.tiny:  # a folder, or a repo id, downloaded once as the CLI does
+            try:
+                model_dir = li.find_model(args.model, allow_download=True)
+            except li.UserError as e:
+                sys.exit(f"bench.py: error: {e}")
+        if args.tiny or not (model_dir / "config.json").exists():
             from tests.checkpoint import TINY_CONFIG, write_checkpoint
 
             model_dir = Path(tmp) / "model"
