@@ -4,6 +4,8 @@
     python bench.py --tiny               # a 2-layer model: measures per-token overhead, not the matmuls
     python bench.py --device cpu --dtype float32 --prompt-lengths 128 --decode-tokens 64
     LLM_INFERENCE_BLAS=0 python bench.py ...   # Linux CPU: MLX's bundled BLAS instead of OpenBLAS
+    python bench.py --quantize 4         # both runtimes on the same 4-bit weights (as mlx_lm.convert makes)
+    python bench.py --model Qwen/Qwen3-1.7B --quantize 8   # a folder or a repo id (downloaded once)
 
 For each prompt length: a warm-up, then --reps repetitions alternating which runtime goes first. Prints
 medians of prefill speed, time to first token (TTFT), decode speed and peak memory, the ratios ours /
@@ -11,6 +13,7 @@ mlx-lm, and the decode ceiling set by memory bandwidth (every weight byte is rea
 """
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -113,6 +116,31 @@ def measure_bandwidth(dtype, nbytes=1 << 30):
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
+def matmul_speeds(n=4096, reps=20):
+    """Median ms of one (1, n) x (n, n) product: float32, bfloat16, and quantized at 8 and 4 bits with
+    float32 or bfloat16 activations and scales (the question: does --quantize pay on this device?)."""
+    w = (mx.random.normal((n, n), key=mx.random.key(4)) / math.sqrt(n)).astype(mx.bfloat16)
+    x = mx.random.normal((1, n), key=mx.random.key(5))
+    cases = {}
+    for dtype in (mx.float32, mx.bfloat16):
+        name = str(dtype).split(".")[-1]
+        cases[name] = (lambda a, b: a @ b.T, x.astype(dtype), w.astype(dtype))
+        for bits in (8, 4):
+            q, scales, biases = mx.quantize(w, group_size=64, bits=bits)
+            product = lambda a, *wsb, bits=bits: mx.quantized_matmul(a, *wsb, transpose=True, group_size=64,
+                                                                    bits=bits)
+            cases[f"{bits}-bit, {name}"] = (product, x.astype(dtype), q, scales.astype(dtype), biases.astype(dtype))
+    print(f"one (1, {n}) x ({n}, {n}) product, median of {reps}:")
+    for name, (product, *arrays) in cases.items():
+        mx.eval(arrays, product(*arrays))
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            mx.eval(product(*arrays))
+            times.append(time.perf_counter() - start)
+        print(f"  {name:<18} {statistics.median(times) * 1e3:8.2f} ms")
+
+
 def step_breakdown(weights, config, model, context=128, steps=30):
     """Median ms to build one decode step's graph (Python) and to run it (kernels), for both runtimes."""
     from mlx_lm.models.cache import make_prompt_cache
@@ -140,22 +168,51 @@ def step_breakdown(weights, config, model, context=128, steps=30):
     return result
 
 
+def quantization_error(model_dir, weights):
+    """{matrix: relative error ‖x Ŵᵀ - x Wᵀ‖ / ‖x Wᵀ‖} for layer 0's matrices, W as the checkpoint stores
+    it, Ŵ quantized (--quantize), x 64 random float32 rows."""
+    stored = {}
+    for path in li.weight_files(model_dir):
+        stored |= mx.load(str(path))
+    errors = {}
+    for short in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        w = stored[f"model.layers.0.{li.LAYER_TENSORS[short]}"].astype(mx.float32)
+        q = weights["layers"][0][short]
+        q = q._replace(scales=q.scales.astype(mx.float32), biases=q.biases.astype(mx.float32))
+        x = mx.random.normal((64, w.shape[1]), key=mx.random.key(3))
+        exact = x @ w.T
+        errors[short] = (mx.linalg.norm(li.linear(x, q) - exact) / mx.linalg.norm(exact)).item()
+    return errors
+
+
 def by_checkpoint_name(weights):
-    """Our weights (short names, per layer) under their Hugging Face checkpoint names."""
+    """Our weights (short names, per layer) under their checkpoint names; a quantized matrix x.weight
+    as its three arrays x.weight, x.scales, x.biases, as mlx-lm names them."""
     named = {"model.embed_tokens.weight": weights["embed_tokens"], "model.norm.weight": weights["norm"],
              "lm_head.weight": weights["lm_head"]}
     for i, layer in enumerate(weights["layers"]):
         named |= {f"model.layers.{i}.{li.LAYER_TENSORS[short]}": w for short, w in layer.items()}
-    return named
+    arrays = {}
+    for name, w in named.items():
+        if isinstance(w, li.Quantized):
+            stem = name.removesuffix(".weight")
+            arrays |= {f"{stem}.weight": w.weight, f"{stem}.scales": w.scales, f"{stem}.biases": w.biases}
+        else:
+            arrays[name] = w
+    return arrays
 
 
-def load_pair(model_dir, dtype):
-    """Our weights, and mlx-lm's model holding the very same arrays (so memory is not counted twice)."""
-    from mlx_lm.utils import load
+def load_pair(model_dir, dtype, bits=None):
+    """Our weights, and mlx-lm's model holding the very same arrays (so memory is not counted twice).
+    With bits, mlx-lm's model is quantized by mlx-lm's own converter function, then given our arrays,
+    which the tests show hold the same numbers."""
+    from mlx_lm.utils import load, quantize_model
 
     config = li.load_config(model_dir)
-    weights = li.load_weights(model_dir, config, dtype)
-    model, _ = load(str(model_dir))
+    weights = li.load_weights(model_dir, config, dtype, bits)
+    model, _, raw_config = load(str(model_dir), lazy=True, return_config=True)
+    if bits:
+        model, _ = quantize_model(model, raw_config, li.GROUP_SIZE, bits)
     names = [name for name, _ in tree_flatten(model.parameters())]
     named = by_checkpoint_name(weights)
     model.update(tree_unflatten([(name, named[name]) for name in names]))
@@ -165,13 +222,18 @@ def load_pair(model_dir, dtype):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint folder (default: ./Qwen3-0.6B if present, else random weights)")
+    ap.add_argument("--model", help="checkpoint folder or Hugging Face repo id (default: ./Qwen3-0.6B if present, "
+                                    "else random weights)")
     ap.add_argument("--tiny", action="store_true", help="random 2-layer model instead of the 0.6B shape")
     ap.add_argument("--device", choices=["cpu", "gpu"], help="default: MLX's default device")
-    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                    help="activations (and quantization scales); auto = bfloat16 on a GPU, float32 on the CPU")
+    ap.add_argument("--quantize", type=int, choices=[4, 8], help="quantize the weights at load, in both runtimes")
     ap.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 2048])
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--matmul", action="store_true",
+                    help="instead: time one matrix-vector product in float32, bfloat16, 8 and 4 bits")
     ap.add_argument("--cache-lengths", type=int, nargs="+", metavar="N",
                     help="instead: decode speed with and without the KV cache at these prompt lengths")
     ap.add_argument("--chat-turns", type=int, metavar="N",
@@ -182,22 +244,36 @@ def main():
     if args.device:
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     dtype = li.pick_dtype(args.dtype)
+    if args.matmul:
+        matmul_speeds()
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(args.model) if args.model else Path("Qwen3-0.6B")
-        if args.tiny or not (model_dir / "model.safetensors").exists():
+        model_dir = Path("Qwen3-0.6B")
+        if args.model and not args.tiny:  # a folder, or a repo id, downloaded once as the CLI does
+            try:
+                model_dir = li.find_model(args.model, allow_download=True)
+            except li.UserError as e:
+                sys.exit(f"bench.py: error: {e}")
+        if args.tiny or not (model_dir / "config.json").exists():
             from tests.checkpoint import TINY_CONFIG, write_checkpoint
 
             model_dir = Path(tmp) / "model"
             print(f"writing a random-weight {'tiny' if args.tiny else 'Qwen3-0.6B-shaped'} checkpoint ...", flush=True)
             write_checkpoint(model_dir, TINY_CONFIG if args.tiny else None)
-        config, weights, model = load_pair(model_dir, dtype)
+        config, weights, model = load_pair(model_dir, dtype, args.quantize)
         tokenizer = li.load_tokenizer(model_dir)
+        stored_bits = li.stored_quantization(model_dir).get("bits")  # a folder stored quantized
+        if args.quantize:
+            errors = quantization_error(model_dir, weights)
+            print(f"{args.quantize}-bit quantization, relative error of layer 0's products (‖x Ŵᵀ - x Wᵀ‖ / "
+                  f"‖x Wᵀ‖): " + ", ".join(f"{name} {e:.4f}" for name, e in errors.items()))
 
     unique = {id(w): w for w in by_checkpoint_name(weights).values()}  # a tied head is counted once
     weight_bytes = sum(w.nbytes for w in unique.values())
     blas = f", {'OpenBLAS' if li.OPENBLAS else 'bundled BLAS'}" if li.MLX_CPU_WHEEL else ""
-    print(f"MLX {mx.__version__}, device {mx.default_device()}{blas}, dtype {str(dtype).split('.')[-1]}, "
+    bits = f", {args.quantize or stored_bits}-bit weights" if args.quantize or stored_bits else ""
+    print(f"MLX {mx.__version__}, device {mx.default_device()}{blas}, dtype {str(dtype).split('.')[-1]}{bits}, "
           f"{config.num_hidden_layers} layers, {weight_bytes / 1e9:.2f} GB of weights")
     if args.cache_lengths:
         cache_experiment(weights, config, args.cache_lengths, reps=args.reps)

@@ -6,6 +6,7 @@ seen the model.
 
     "The capital of France is"
       -> 1. load      config.json + model.safetensors + tokenizer.json
+                      (1b. optionally quantized: 4 or 8 bits per weight instead of 16)
       -> 2. tokenize  [785, 6722, 315, 9625, 374]
       -> 3. embed     one 1024-number vector per token                      (seq, 1024)
       -> 8. transformer block, 28 times:
@@ -83,7 +84,7 @@ def load_config(model_dir):
 
 
 # A layer's tensors: the short name used below -> the name in the checkpoint. Matrices are stored
-# (out, in), PyTorch's nn.Linear layout, so a layer computes x @ W.T.
+# (out, in), PyTorch's nn.Linear layout, so a layer computes x @ W.T (linear(), 1b).
 LAYER_TENSORS = {
     "input_layernorm": "input_layernorm.weight",  # (1024,)
     "q_proj": "self_attn.q_proj.weight",  # (2048, 1024) = (16 heads x 128, 1024)
@@ -109,36 +110,109 @@ def weight_files(model_dir):
     return [model_dir / name for name in sorted(set(index["weight_map"].values()))]
 
 
-def load_weights(model_dir, config, dtype):
-    """{"embed_tokens", "layers": [{"q_proj": ..., ...} x 28], "norm", "lm_head"}, as `dtype`."""
+def load_weights(model_dir, config, dtype, bits=None):
+    """{"embed_tokens", "layers": [{"q_proj": ..., ...} x 28], "norm", "lm_head"}, as `dtype`;
+    with bits=4 or 8, every matrix is quantized as it is read (section 1b)."""
     tensors = {}  # every tensor of every file, by name; lazy: nothing read yet
     for path in weight_files(model_dir):
         tensors |= mx.load(str(path))
+    stored = stored_quantization(model_dir)  # {} unless the checkpoint is stored quantized (1b)
 
     # Read and convert one tensor at a time, so the file's bfloat16 copy of everything never sits
     # beside the converted weights (in float32 that would peak at 1.5x the weights).
     def tensor(name):
-        weight = tensors.pop(name).astype(dtype)
+        weight = tensors.pop(name)
+        stem = name.removesuffix(".weight")
+        if f"{stem}.scales" in tensors:  # stored quantized: the integers are used as they are
+            how = stored.get(stem, stored)  # a layer may have settings of its own
+            weight = Quantized(weight, tensors.pop(f"{stem}.scales").astype(dtype),
+                               tensors.pop(f"{stem}.biases").astype(dtype),
+                               how["group_size"], how["bits"])
+        # Matrices whose rows split into whole groups (all of Qwen3's); mlx-lm leaves others as is.
+        elif bits and weight.ndim == 2 and weight.shape[1] % GROUP_SIZE == 0:
+            weight = quantize(weight, bits, dtype)
+        else:
+            weight = weight.astype(dtype)
         mx.eval(weight)
         return weight
 
     layers = [{short: tensor(f"model.layers.{i}.{name}") for short, name in LAYER_TENSORS.items()}
               for i in range(config.num_hidden_layers)]
+    # Tied embeddings: the LM head *is* the embedding table (the same array: 311 MB not copied;
+    # quantized, the head multiplies by the quantized table). Untied ones (Qwen3-8B and up) store
+    # their own lm_head.weight. A tied checkpoint may store one too: a copy we drop, or a different
+    # matrix, which transformers then uses, and so do we (compared as stored, before converting).
+    head = tensors.get("lm_head.weight")
+    own_head = not config.tie_word_embeddings or (
+        head is not None and not mx.array_equal(head, tensors["model.embed_tokens.weight"]).item())
     embed_tokens = tensor("model.embed_tokens.weight")  # (151936, 1024)
-    # The LM head (section 9). Tied checkpoints (Qwen3-0.6B to 4B) reuse the embedding table: the
-    # same array, 311 MB not copied. Untied ones (8B and up) store lm_head.weight. A tied one may
-    # store it too: a copy, dropped, or a different matrix, which transformers 5 uses; so do we.
-    lm_head = embed_tokens
-    if "lm_head.weight" in tensors:
-        head = tensor("lm_head.weight")  # (151936, 1024)
-        if not config.tie_word_embeddings or not mx.array_equal(head, embed_tokens).item():
-            lm_head = head
+    lm_head = tensor("lm_head.weight") if own_head else embed_tokens
     return {"embed_tokens": embed_tokens, "layers": layers, "norm": tensor("model.norm.weight"),
             "lm_head": lm_head}
 
 
 def load_tokenizer(model_dir):
     return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+
+
+# ------------------------------------------------------------------------------------------------
+# 1b. Quantization (--quantize 4 or 8): fewer bits per weight, fewer bytes to read per token
+# ------------------------------------------------------------------------------------------------
+#
+# Generating a token multiplies one vector by every weight matrix: each weight is read from memory,
+# used for a single multiply-add, and dropped. So decoding waits on memory, not on arithmetic:
+# Qwen3-0.6B reads its 1.2 GB of bfloat16 weights for every token, and a machine whose memory
+# delivers 100 GB/s cannot decode more than about 80 tokens a second. Fewer bytes per weight, more
+# tokens per second.
+#
+# Group-wise affine quantization (MLX's and mlx-lm's): each row of a matrix is cut into groups of
+# 64 consecutive weights. A group keeps one scale and one bias, in the weights' float type, and
+# 64 integers q from 0 to 2^bits - 1, chosen so that w ≈ scale * q + bias: the 2^bits levels are
+# spread evenly over the group's range, from its smallest weight to its largest. At 4 bits a weight
+# costs 4 + 2 x 16 / 64 = 4.5 bits instead of 16 (3.6x smaller; 8 bits: 8.5, 1.9x smaller). The
+# price is rounding: a weight moves by up to half a level, and every product moves with it (the
+# README, Quantization, measures how much on a layer).
+#
+# The model reads quantized matrices as they are: mx.quantized_matmul unpacks each group inside the
+# matrix product, so the full-precision matrix never exists in memory. That is the one change the
+# model needs, in linear(), through which every projection and the LM head go.
+
+GROUP_SIZE = 64  # weights sharing one scale and bias (mlx-lm's default)
+
+
+class Quantized(NamedTuple):  # a NamedTuple, so compiled functions (section 12) accept it
+    """A matrix (out, in), quantized in groups along each of its rows: w ≈ scale * q + bias."""
+    weight: mx.array  # (out, in * bits / 32) uint32: each holds 32 / bits of the integers q
+    scales: mx.array  # (out, in / group_size): one per group, in the activations' dtype
+    biases: mx.array  # (out, in / group_size)
+    group_size: int
+    bits: int  # 4 or 8 with --quantize; a stored checkpoint may use 2 to 8
+
+
+def quantize(weight, bits, dtype):
+    """A checkpoint matrix -> Quantized, as mlx_lm.convert does it: from the values as stored
+    (bfloat16), so the scales and biases are bfloat16 numbers, then held as `dtype` (float32 keeps
+    them exactly)."""
+    q, scales, biases = mx.quantize(weight, group_size=GROUP_SIZE, bits=bits)  # affine mode
+    return Quantized(q, scales.astype(dtype), biases.astype(dtype), GROUP_SIZE, bits)
+
+
+def stored_quantization(model_dir):
+    """How a checkpoint stored already quantized was made: config.json's "quantization" entry, as
+    mlx_lm.convert writes it (mlx-community's and Qwen's own "-MLX-4bit" models). Each quantized
+    matrix x.weight is then stored as three tensors: x.weight (the packed uint32), x.scales and
+    x.biases. Returns {"group_size": 64, "bits": 4, "mode": "affine"} plus, for the layers quantized
+    differently (mixed precision), their own settings by name; {} for a checkpoint in floats."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    return raw.get("quantization") or {}
+
+
+def linear(x, weight):
+    """x @ weight.T, for a weight (out, in) in floats or Quantized: every matrix product below."""
+    if isinstance(weight, Quantized):  # unpacks each group of weights as it multiplies
+        return mx.quantized_matmul(x, weight.weight, weight.scales, weight.biases, transpose=True,
+                                   group_size=weight.group_size, bits=weight.bits)
+    return x @ weight.T
 
 
 # ------------------------------------------------------------------------------------------------
@@ -173,6 +247,10 @@ def chat_prompt(user, system=None, think=True):
 # ------------------------------------------------------------------------------------------------
 
 def embed(token_ids, embed_tokens):
+    if isinstance(embed_tokens, Quantized):  # unpack the rows picked, not the 151936-row table
+        t = embed_tokens
+        return mx.dequantize(t.weight[token_ids], t.scales[token_ids], t.biases[token_ids],
+                             group_size=t.group_size, bits=t.bits)  # (seq, 1024)
     return embed_tokens[token_ids]  # (seq,) ids -> (seq, 1024)
 
 
@@ -242,9 +320,9 @@ def queries_keys_values(x, layer, config, offset):
     """The first half of attention: x (seq, 1024) at positions offset, offset+1, ... -> q, k, v."""
     c, seq = config, x.shape[0]
     # Project each position to queries, keys and values, split into heads, heads first.
-    q = (x @ layer["q_proj"].T).reshape(seq, c.num_attention_heads, c.head_dim).swapaxes(0, 1)
-    k = (x @ layer["k_proj"].T).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
-    v = (x @ layer["v_proj"].T).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
+    q = linear(x, layer["q_proj"]).reshape(seq, c.num_attention_heads, c.head_dim).swapaxes(0, 1)
+    k = linear(x, layer["k_proj"]).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
+    v = linear(x, layer["v_proj"]).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
     # QK-norm (new in Qwen3 compared with Qwen2.5): RMS-normalise each head's 128 query and key
     # channels. Otherwise their sizes can creep up in training until the softmax saturates and
     # training turns unstable; here their scale is set by two small learned gains. The order matters
@@ -327,7 +405,7 @@ def attention(x, layer, config, cache):
     heads = attend(q, k, v)  # (16, seq, 128)
     # Concatenate the heads into one vector per position; the output projection mixes them.
     heads = heads.swapaxes(0, 1).reshape(x.shape[0], -1)  # (seq, 16 x 128 = 2048)
-    return heads @ layer["o_proj"].T  # (seq, 1024)
+    return linear(heads, layer["o_proj"])  # (seq, 1024)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -343,9 +421,9 @@ def swiglu(x, layer):
     a smooth ReLU, not a 0-1 switch: it passes positive gate values almost unchanged and squashes
     negative ones towards 0; multiplied with a second projection (`up`), it gates it.
     """
-    gate = x @ layer["gate_proj"].T  # (seq, 3072)
-    up = x @ layer["up_proj"].T  # (seq, 3072)
-    return (gate * mx.sigmoid(gate) * up) @ layer["down_proj"].T  # (seq, 1024)
+    gate = linear(x, layer["gate_proj"])  # (seq, 3072)
+    up = linear(x, layer["up_proj"])  # (seq, 3072)
+    return linear(gate * mx.sigmoid(gate) * up, layer["down_proj"])  # (seq, 1024)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -375,9 +453,10 @@ def forward(token_ids, weights, config, cache, last_only=True):
     for layer, layer_cache in zip(weights["layers"], cache):
         x = transformer_block(x, layer, config, layer_cache)
     if last_only:  # generating needs only the next token: skip (seq-1) x 151936 dot products
-        x = x[-1]
+        x = x[-1:]  # (1, 1024): still a matrix, which MLX's quantized_matmul on CUDA requires
     x = rms_norm(x, weights["norm"], config.rms_norm_eps)
-    return x @ weights["lm_head"].T  # (vocab,) or (seq, vocab): a score (logit) per token
+    logits = linear(x, weights["lm_head"])  # (1 or seq, vocab): a score (logit) per token
+    return logits[0] if last_only else logits
 
 
 # ------------------------------------------------------------------------------------------------
@@ -664,6 +743,31 @@ def check_config(model_dir):
             kind(raw[name])
         except (TypeError, ValueError):
             raise UserError(f"{path}: {name!r} should be a number, got {raw[name]!r}")
+    check_quantization(path, raw)
+
+
+def check_quantization(path, raw):
+    """A checkpoint stored quantized must be in MLX's format, with settings MLX's kernels take:
+    affine mode, 2 to 8 bits, groups of 32, 64 or 128 (what section 1b reads); else one line."""
+    quantization = raw.get("quantization")
+    if quantization is None:
+        other = raw.get("quantization_config")  # how transformers describes GPTQ, AWQ, FP8, ...
+        if other:
+            method = other.get("quant_method") if isinstance(other, dict) else other
+            raise UserError(f"{path}: the weights are quantized with {method!r}, which this script "
+                            "does not read; use an unquantized or an MLX-format (mlx_lm.convert) "
+                            "checkpoint")
+        return
+    if not isinstance(quantization, dict):
+        raise UserError(f"{path}: 'quantization' should be an object such as "
+                        f'{{"group_size": 64, "bits": 4}}, got {quantization!r}')
+    layers = {name: how for name, how in quantization.items() if isinstance(how, dict)}
+    for layer, how in ({"": quantization} | layers).items():
+        mode, bits, group = how.get("mode", "affine"), how.get("bits"), how.get("group_size")
+        if mode != "affine" or bits not in (2, 3, 4, 5, 6, 8) or group not in (32, 64, 128):
+            raise UserError(f"{path} asks for {mode} quantization at {bits} bits in groups of "
+                            f"{group}{f' for {layer}' if layer else ''}; this script reads affine "
+                            "quantization at 2-6 or 8 bits in groups of 32, 64 or 128")
 
 
 def weight_shapes(config):
@@ -742,6 +846,17 @@ def check_weights(model_dir, config):
     expected = weight_shapes(config)
     if "lm_head.weight" in found:  # a tied checkpoint's extra head is loaded too (section 1)
         expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    floats = ("BF16", "F16", "F32")
+    dtypes = dict.fromkeys(expected, floats)  # what each tensor may be stored as
+    quantization = stored_quantization(model_dir)
+    for name, (rows, columns) in [(n, s) for n, s in expected.items() if len(s) == 2]:
+        stem = name.removesuffix(".weight")
+        if quantization and f"{stem}.scales" in found:  # stored quantized (section 1b)
+            how = quantization.get(stem, quantization)
+            expected[name], dtypes[name] = (rows, columns * how["bits"] // 32), ("U32",)
+            for part in ("scales", "biases"):
+                expected[f"{stem}.{part}"] = (rows, columns // how["group_size"])
+                dtypes[f"{stem}.{part}"] = floats
     for name, shape in expected.items():
         if name not in found or not isinstance(found[name][1], dict):
             where = files[0] if len(files) == 1 else f"the sharded checkpoint {model_dir}"
@@ -753,9 +868,9 @@ def check_weights(model_dir, config):
                             "re-download it")
         if tuple(stored) != shape:
             raise UserError(f"{path}: tensor {name!r} has shape {tuple(stored)}, expected {shape}")
-        if entry.get("dtype") not in ("BF16", "F16", "F32"):
+        if entry.get("dtype") not in dtypes[name]:
             raise UserError(f"{path}: tensor {name!r} is stored as {entry.get('dtype')}, "
-                            "expected BF16, F16 or F32")
+                            f"expected {'BF16, F16 or F32' if dtypes[name] == floats else 'U32'}")
         if not isinstance(offsets[1], int) or start + offsets[1] > size:
             raise UserError(f"{path} is damaged (it ends inside tensor {name!r}: an interrupted "
                             "download?); re-download it")
@@ -784,9 +899,15 @@ def check_chat_template(model_dir):
                         "--chat writes (a Qwen3-2507 model?); run it without --chat")
 
 
-def weight_bytes(config, dtype):
-    """The bytes Part 1's weights take once loaded as dtype (a tied head shares the embedding's)."""
-    return sum(math.prod(shape) for shape in weight_shapes(config).values()) * dtype.size
+def weight_bytes(config, dtype, bits=None, group_size=GROUP_SIZE):
+    """The bytes Part 1's weights take once loaded as dtype (a tied head shares the embedding's);
+    quantized, a matrix takes `bits` per weight plus a scale and a bias (dtype) per group."""
+    total = 0
+    for shape in weight_shapes(config).values():
+        n = math.prod(shape)
+        quantized = bits and len(shape) == 2
+        total += n * bits // 8 + 2 * n // group_size * dtype.size if quantized else n * dtype.size
+    return total
 
 
 def memory_size():
@@ -832,12 +953,18 @@ def eos_token_ids(generation_config, tokenizer):
     return ids
 
 
-def load_model(model_dir, dtype):
-    """Part 1's loaders, after checking what they assume.
+def load_model(model_dir, dtype, bits=None):
+    """Part 1's loaders, after checking what they assume; bits: --quantize.
     Returns (config, weights, tokenizer, generation config)."""
     check_config(model_dir)
     config = load_config(model_dir)
-    check_memory(weight_bytes(config, dtype), memory_size(), dtype)
+    quantization = stored_quantization(model_dir)  # {} unless stored quantized (section 1b)
+    stored_bits = quantization.get("bits")
+    if bits and stored_bits and bits != stored_bits:
+        raise UserError(f"{model_dir} is already quantized to {stored_bits} bits; drop --quantize "
+                        "or point --model at the unquantized model")
+    group_size = quantization.get("group_size", GROUP_SIZE)
+    check_memory(weight_bytes(config, dtype, bits or stored_bits, group_size), memory_size(), dtype)
     check_weights(model_dir, config)
     path = Path(model_dir) / "tokenizer.json"
     try:
@@ -846,7 +973,7 @@ def load_model(model_dir, dtype):
         raise UserError(f"cannot load {path} ({e}); re-download it")
     generation_config = load_generation_config(model_dir)
     try:
-        weights = load_weights(model_dir, config, dtype)
+        weights = load_weights(model_dir, config, dtype, bits)
     except (RuntimeError, ValueError, OSError) as e:  # e.g. a read error halfway through a file
         files = weight_files(model_dir)
         where = files[0] if len(files) == 1 else f"a shard in {model_dir}"
@@ -1161,6 +1288,9 @@ def parse_args(argv):
                     help="with --chat: show a progress line instead of the reasoning")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                     help="auto = bfloat16 on a GPU, float32 on the CPU")
+    ap.add_argument("--quantize", type=int, choices=[4, 8], metavar="{4,8}",
+                    help="store the weights in 4 or 8 bits, as mlx_lm.convert does: less memory; "
+                         "faster decoding on a GPU, not on the CPU (README, Quantization)")
     lab = ap.add_argument_group("experiments (README, Experiments)")
     lab.add_argument("--top-probs", type=number(int, 1), metavar="N",
                      help="print the N likeliest first tokens and their probabilities")
@@ -1406,7 +1536,8 @@ def main(argv=None):
     if args.chat:
         check_chat_template(model_dir)
     dtype = pick_dtype(args.dtype)
-    config, weights, tokenizer, generation_config = load_model(model_dir, dtype)
+    config, weights, tokenizer, generation_config = load_model(model_dir, dtype, args.quantize)
+    bits = args.quantize or stored_quantization(model_dir).get("bits")
     eos_ids = eos_token_ids(generation_config, tokenizer)
     sampling = sampling_settings(args, generation_config)
     context = config.max_position_embeddings
@@ -1426,7 +1557,8 @@ def main(argv=None):
     c = config
     print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
           f"{c.num_attention_heads} Q heads, {c.num_key_value_heads} KV heads) on {device_name()}, "
-          f"{str(dtype).split('.')[-1]}", file=sys.stderr)
+          f"{str(dtype).split('.')[-1]}{f', {bits}-bit weights' if bits else ''}",
+          file=sys.stderr)
     if MLX_CPU_WHEEL and not OPENBLAS:
         print(OPENBLAS_HINT, file=sys.stderr)
     if c.tie_word_embeddings and weights["lm_head"] is not weights["embed_tokens"]:

@@ -110,11 +110,11 @@ def tiny_model(tmp_path_factory):
 class Reference:
     """The same model loaded in this process with the library functions, to compare the CLI against."""
 
-    def __init__(self, folder, dtype):
+    def __init__(self, folder, dtype, bits=None):
         self.folder = folder
         self.config = li.load_config(folder)
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        self.weights = li.load_weights(folder, self.config, dtype)
+        self.weights = li.load_weights(folder, self.config, dtype, bits)
         self.eos_ids = li.eos_token_ids(li.load_generation_config(folder), self.tokenizer)
 
     def ids(self, text):
@@ -267,6 +267,16 @@ def test_dtype_bfloat16(tiny_model, tmp_path):
     assert text == expected
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize(tiny_model, greedy_24, tmp_path, bits):
+    expected = Reference(tiny_model, li.pick_dtype("auto"), bits).text(PROMPT, 24)
+    text, lines, _, n_generated = parse_success(
+        run_cli("--model", tiny_model, "--max-tokens", 24, "--quantize", bits, cwd=tmp_path))
+    assert lines[0].endswith(f", {bits}-bit weights")
+    assert (text, n_generated) == (expected, 24)
+    assert text != greedy_24  # rounding the weights changed the continuation of this random model
+
+
 def test_max_tokens_one(tiny_model, reference, tmp_path):
     text, _, n_prompt, n_generated = parse_success(run_cli("--model", tiny_model, "--max-tokens", 1, cwd=tmp_path))
     assert (n_prompt, n_generated) == (5, 1)
@@ -349,6 +359,8 @@ BAD_FLAGS = [
     (["--top-p", "inf"], ["--top-p", "finite"]),
     (["--top-probs", "0"], ["--top-probs", "0"]),
     (["--dtype", "int8"], ["--dtype", "int8"]),
+    (["--quantize", "3"], ["--quantize", "3"]),
+    (["--quantize", "16"], ["--quantize", "16"]),
     (["--system", "hi"], ["--system", "--chat"]),
     (["--system", ""], ["--system", "--chat"]),
     (["--no-think"], ["--no-think", "--chat"]),
@@ -612,6 +624,77 @@ def test_shard_truncated(sharded_model, tmp_path):
     shard.write_bytes(shard.read_bytes()[:-10])
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, f"{shard} is damaged",
                           "re-download")
+
+
+@pytest.fixture(scope="session")
+def converted_4bit(tiny_model, tmp_path_factory):
+    """The tiny model converted by mlx-lm to 4 bits, its weights in MLX's quantized format."""
+    from mlx_lm import convert
+
+    folder = tmp_path_factory.mktemp("models") / "tiny-4bit"
+    convert(hf_path=str(tiny_model), mlx_path=str(folder), quantize=True, q_bits=4, q_group_size=64)
+    return folder
+
+
+def test_mlx_quantized_folder_gives_the_quantize_text(tiny_model, converted_4bit, tmp_path):
+    expected = Reference(tiny_model, li.pick_dtype("auto"), 4).text(PROMPT, 24)
+    for flags in ([], ["--quantize", "4"]):  # --quantize with the folder's own bits changes nothing
+        text, lines, _, _ = parse_success(run_cli("--model", converted_4bit, "--max-tokens", 24, *flags,
+                                                  cwd=tmp_path))
+        assert lines[0].endswith(", 4-bit weights")
+        assert text == expected
+
+
+def test_sharded_mlx_quantized_folder(tiny_model, converted_4bit, tmp_path):
+    """mlx-community's larger models come in shards: the converted tensors split over two files."""
+    folder = tmp_path / "sharded-4bit"
+    folder.mkdir()
+    for source in converted_4bit.iterdir():
+        if not source.name.startswith("model.safetensors"):
+            shutil.copyfile(source, folder / source.name)
+    tensors = mx.load(str(converted_4bit / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, shard_names in shards.items():
+        mx.save_safetensors(str(folder / shard), {name: tensors[name] for name in shard_names})
+    index = {"weight_map": {name: shard for shard, shard_names in shards.items() for name in shard_names}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    expected = Reference(tiny_model, li.pick_dtype("auto"), 4).text(PROMPT, 24)
+    text, _, _, _ = parse_success(run_cli("--model", folder, "--max-tokens", 24, cwd=tmp_path))
+    assert text == expected
+
+
+def test_quantize_other_bits_than_the_folder(converted_4bit, tmp_path):
+    assert_one_line_error(run_cli("--model", converted_4bit, "--quantize", "8", cwd=tmp_path), 1,
+                          "already quantized to 4 bits", "--quantize")
+
+
+@pytest.mark.parametrize("quantization, needles", [
+    ({"quantization": {"group_size": 64, "bits": 7}}, ["7 bits"]),
+    ({"quantization": {"group_size": 64, "bits": 4, "mode": "mxfp4"}}, ["mxfp4"]),
+    ({"quantization": {"group_size": 100, "bits": 4}}, ["groups of 100"]),
+    ({"quantization": {"group_size": 64, "bits": 4, "model.layers.0.mlp.up_proj": {"group_size": 64, "bits": 7}}},
+     ["model.layers.0.mlp.up_proj", "7 bits"]),
+    ({"quantization": "4bit"}, ["quantization"]),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, ["gptq"]),
+], ids=["bits 7", "mxfp4", "group 100", "layer bits 7", "not a dict", "gptq"])
+def test_quantization_not_supported(converted_4bit, tmp_path, quantization, needles):
+    folder = shutil.copytree(converted_4bit, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization"], config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config | quantization))
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, *needles)
+
+
+def test_quantized_tensor_wrong_shape(converted_4bit, tmp_path):
+    """config.json says 8 bits, the tensors hold 4: the packed shape gives it away before loading."""
+    folder = shutil.copytree(converted_4bit, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization"] = config["quantization_config"] = {"group_size": 64, "bits": 8}
+    (folder / "config.json").write_text(json.dumps(config))
+    name = "model.embed_tokens.weight"  # (151936, 64): packed 4-bit (151936, 8), 8-bit (151936, 16)
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, repr(name), "(151936, 8)",
+                          "(151936, 16)")
 
 
 def test_tokenizer_garbage(variant, tmp_path):
@@ -983,3 +1066,16 @@ def test_closed_stdout_pipe_ends_quietly(tiny_model, tmp_path):
     stderr = proc.stderr.read().decode("utf-8")
     assert proc.wait(timeout=120) == 141, stderr
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+
+
+def test_mlx_quantized_repo_id(app, tiny_model, converted_4bit):
+    """An mlx-community-style repo (stored 4-bit) fetched by its id runs as the --quantize 4 text."""
+    repo = "mlx-community/Qwen3-Tiny-4bit"
+    with FakeHub(converted_4bit, repo=repo) as hub:
+        rc, out, err = run_cli("--model", repo, "--max-tokens", 24, cwd=app, script=app / SCRIPT.name,
+                               **online(hub))
+    first, rest = err.split("\n", 1)
+    assert first.startswith(f"Downloading {repo} (")
+    text, lines, _, _ = parse_success((rc, out, rest))
+    assert lines[0].endswith(", 4-bit weights")
+    assert text == Reference(tiny_model, li.pick_dtype("auto"), 4).text(PROMPT, 24)

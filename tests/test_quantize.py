@@ -1,0 +1,158 @@
+"""Quantization: each quantized product against MLX's own dequantize + matmul, --quantize against the
+folder mlx-lm's converter writes, that folder loaded directly, and both against mlx-lm running it."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm import convert
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load as mlx_lm_load
+
+import llm_inference as li
+from tests.checkpoint import TINY_CONFIG, write_checkpoint
+
+CONFIGS = {"tied": TINY_CONFIG, "untied": TINY_CONFIG | {"tie_word_embeddings": False}}
+MATRICES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPT = "The capital of France is Paris, and the capital of Italy is"
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def folder(request, tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp(request.param) / "model", CONFIGS[request.param], seed=1)
+
+
+@pytest.fixture(scope="module", params=[4, 8])
+def converted(request, folder):
+    """(bits, the folder mlx_lm.convert writes from `folder`): 4 or 8 bits, or the "mixed_3_6" recipe
+    (3 bits, 6 for some layers: settings per layer in config.json)."""
+    recipe = request.param
+    out = folder.parent / f"mlx-{recipe}"
+    if not out.exists():
+        if recipe == "mixed_3_6":
+            convert(hf_path=str(folder), mlx_path=str(out), quantize=True, quant_predicate=recipe,
+                    q_group_size=64)
+        else:
+            convert(hf_path=str(folder), mlx_path=str(out), quantize=True, q_bits=recipe, q_group_size=64)
+    return recipe, out
+
+
+def dequantized(q):
+    return mx.dequantize(q.weight, q.scales, q.biases, group_size=q.group_size, bits=q.bits)
+
+
+def relative_error(approximate, exact):
+    return float(mx.linalg.norm(approximate - exact) / mx.linalg.norm(exact))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_each_quantized_product_is_dequantize_then_matmul(folder, bits):
+    config = li.load_config(folder)
+    weights = li.load_weights(folder, config, mx.float32, bits=bits)
+    stored = mx.load(str(folder / "model.safetensors"))
+    x = mx.random.normal((3, config.hidden_size), key=mx.random.key(0))
+    for i, layer in enumerate(weights["layers"]):
+        for short in MATRICES:
+            q = layer[short]
+            assert isinstance(q, li.Quantized) and (q.bits, q.group_size) == (bits, 64)
+            assert q.weight.dtype == mx.uint32 and q.scales.dtype == q.biases.dtype == mx.float32
+            w = dequantized(q)  # (out, in)
+            x_in = mx.random.normal((3, w.shape[1]), key=mx.random.key(i))
+            exact = x_in @ w.T
+            assert float(mx.abs(li.linear(x_in, q) - exact).max()) < 1e-4 * float(mx.abs(exact).max())
+            # The product is close to the checkpoint's own, not equal to it: within 2x what rounding
+            # normal weights costs (a group of 64 spans about 4.8 std; error = level / sqrt(12)).
+            original = stored[f"model.layers.{i}.{li.LAYER_TENSORS[short]}"].astype(mx.float32)
+            error = relative_error(exact, x_in @ original.T)
+            assert 0 < error < {4: 0.2, 8: 0.012}[bits]
+        for short in set(li.LAYER_TENSORS) - set(MATRICES):  # norms stay as they are
+            assert layer[short].dtype == mx.float32 and not isinstance(layer[short], li.Quantized)
+    table = weights["embed_tokens"]
+    ids = mx.array([785, 6722, 315, 151645])
+    assert mx.array_equal(li.embed(ids, table), dequantized(table)[ids])  # only these rows unpacked
+    head = weights["lm_head"]
+    if config.tie_word_embeddings:
+        assert head is table
+    exact = x @ dequantized(head).T
+    assert float(mx.abs(li.linear(x, head) - exact).max()) < 1e-4 * float(mx.abs(exact).max())
+
+
+def test_quantize_at_load_equals_mlx_lm_convert(folder, converted):
+    bits, out = converted
+    config = li.load_config(folder)
+    theirs = mx.load(str(out / "model.safetensors"))
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == bits
+    for dtype in (mx.bfloat16, mx.float32):  # the checkpoint's dtype, and float32 activations
+        ours = li.load_weights(folder, config, dtype, bits=bits)
+        named = {"model.embed_tokens": ours["embed_tokens"], "model.norm": ours["norm"]}
+        if not config.tie_word_embeddings:
+            named["lm_head"] = ours["lm_head"]
+        for i, layer in enumerate(ours["layers"]):
+            named |= {f"model.layers.{i}.{name[:-len('.weight')]}": layer[short]
+                      for short, name in li.LAYER_TENSORS.items()}
+        assert sorted(f"{name}.{part}" for name, t in named.items()
+                      for part in (li.Quantized._fields[:3] if isinstance(t, li.Quantized) else ["weight"])
+                      ) == sorted(theirs)
+        for name, t in named.items():
+            if isinstance(t, li.Quantized):
+                assert mx.array_equal(t.weight, theirs[f"{name}.weight"])  # the same integers
+                for part in ("scales", "biases"):  # bfloat16 in the file: exact in float32 too
+                    assert getattr(t, part).dtype == dtype
+                    assert mx.array_equal(getattr(t, part), theirs[f"{name}.{part}"].astype(dtype))
+            else:
+                assert mx.array_equal(t, theirs[f"{name}.weight"].astype(dtype))
+
+
+def equal_weights(a, b):
+    if isinstance(a, li.Quantized):
+        return (a.group_size, a.bits) == (b.group_size, b.bits) and all(
+            mx.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(a[:3], b[:3]))
+    return mx.array_equal(a, b) and a.dtype == b.dtype
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_converted_folder_loads_as_quantized_at_load(folder, converted, dtype):
+    bits, out = converted
+    config = li.load_config(out)
+    assert config == li.load_config(folder)
+    direct, at_load = li.load_weights(out, config, dtype), li.load_weights(folder, config, dtype, bits)
+    assert isinstance(direct["embed_tokens"], li.Quantized)
+    assert (direct["lm_head"] is direct["embed_tokens"]) == config.tie_word_embeddings
+    for key in ("embed_tokens", "norm", "lm_head"):
+        assert equal_weights(direct[key], at_load[key]), key
+    for ours, theirs in zip(direct["layers"], at_load["layers"]):
+        assert all(equal_weights(ours[short], theirs[short]) for short in li.LAYER_TENSORS)
+
+
+@pytest.mark.parametrize("converted, source", [(4, "at load"), (8, "at load"), (4, "converted"),
+                                               (8, "converted"), ("mixed_3_6", "converted")],
+                         indirect=["converted"])
+def test_quantized_model_matches_mlx_lm_on_the_converted_folder(folder, converted, source):
+    bits, out = converted
+    config = li.load_config(folder)
+    if source == "at load":  # --quantize on the original checkpoint
+        weights = li.load_weights(folder, config, mx.float32, bits=bits)
+    else:  # the converted folder, read as it is
+        weights = li.load_weights(out, config, mx.float32)
+    model, tokenizer = mlx_lm_load(str(out))
+    model.set_dtype(mx.float32)  # scales, biases and norms; the packed integers stay uint32
+    ids = tokenizer.encode(PROMPT)
+    theirs = model(mx.array(ids)[None])[0]  # (seq, vocab)
+    ours = li.forward(mx.array(ids), weights, config, li.make_cache(config), last_only=False)
+    assert float(theirs.abs().max()) > 1
+    assert float(mx.abs(ours - theirs).max()) < 1e-4
+    ours_tokens = [t for t, _ in li.generate(ids, weights, config, max_tokens=40)]
+    theirs_tokens = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=40)]
+    assert len(set(ours_tokens)) > 3
+    assert ours_tokens == theirs_tokens
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_memory_check_counts_the_quantized_bytes(folder, bits, dtype):
+    config = li.load_config(folder)
+    weights = li.load_weights(folder, config, dtype, bits)
+    loaded = {id(w): w for w in [weights["embed_tokens"], weights["norm"], weights["lm_head"],
+                                 *(w for layer in weights["layers"] for w in layer.values())]}
+    arrays = [a for w in loaded.values() for a in (w[:3] if isinstance(w, li.Quantized) else [w])]
+    assert li.weight_bytes(config, dtype, bits) == sum(a.nbytes for a in arrays)
