@@ -196,7 +196,7 @@ def by_checkpoint_name(weights):
     for name, w in named.items():
         if isinstance(w, li.Quantized):
             stem = name.removesuffix(".weight")
-            arrays |= {f"{stem}.weight": w.weight, f"{stem}.scales": w.scales, f"{stem}.biases": w.biases}
+            arrays |= {f"{stem}.weight": w.packed, f"{stem}.scales": w.scales, f"{stem}.biases": w.biases}
         else:
             arrays[name] = w
     return arrays

@@ -15,7 +15,7 @@ seen the model.
       -> 9. final RMSNorm + LM head: one score per vocabulary entry         (151936,)
       -> 10. sample   " Paris"
       -> 11. generate: feed " Paris" back in, repeat until <|im_end|>
-      -> 13. chat: many turns, one KV cache, each turn computing only what is new
+      -> 13. chat: many turns, one KV cache, reused up to the first token that changed
 
 Shapes are written without a batch axis (one sequence at a time), with Qwen3-0.6B's sizes.
 
@@ -38,8 +38,9 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-# Plumbing that must run before MLX loads: on Linux CPUs, use OpenBLAS if it is installed (Part 2,
-# "OpenBLAS", says why; LLM_INFERENCE_BLAS=0 turns it off).
+# Part 2 plumbing, skip on a first read. MLX's Linux CPU wheel bundles a slow reference BLAS: use
+# OpenBLAS instead when it is installed (Part 2, "OpenBLAS", says more; LLM_INFERENCE_BLAS=0 turns
+# it off). It must be loaded before MLX: once mlx.core is imported, it would not be used.
 MLX_CPU_WHEEL = any(Path(folder, "mlx_cpu.libs").is_dir() for folder in sys.path)
 OPENBLAS = False
 if MLX_CPU_WHEEL and os.environ.get("LLM_INFERENCE_BLAS") != "0" and "mlx.core" not in sys.modules:
@@ -62,10 +63,10 @@ from tokenizers.decoders import DecodeStream
 # ------------------------------------------------------------------------------------------------
 
 class Config(NamedTuple):  # a NamedTuple: mx.compile accepts it as an argument (section 12)
-    hidden_size: int  # 1024: width of the "residual stream" every layer reads and adds to (8.)
+    hidden_size: int  # 1024: width of the "residual stream" layers read and add to (section 8)
     num_hidden_layers: int  # 28 transformer blocks
     num_attention_heads: int  # 16 query heads ...
-    num_key_value_heads: int  # ... sharing 8 key/value heads (grouped-query attention, 6.)
+    num_key_value_heads: int  # ... sharing 8 key/value heads (grouped-query attention, section 6)
     head_dim: int  # 128: usually hidden_size / heads (64), but Qwen3 sets it: q is 16 x 128 wide
     intermediate_size: int  # 3072: width of the SwiGLU feed-forward
     vocab_size: int  # 151936 rows in the embedding table
@@ -121,27 +122,16 @@ def load_weights(model_dir, config, dtype, bits=None):
     # Read and convert one tensor at a time, so the file's bfloat16 copy of everything never sits
     # beside the converted weights (in float32 that would peak at 1.5x the weights).
     def tensor(name):
-        weight = tensors.pop(name)
-        stem = name.removesuffix(".weight")
-        if f"{stem}.scales" in tensors:  # stored quantized: the integers are used as they are
-            how = stored.get(stem, stored)  # a layer may have settings of its own
-            weight = Quantized(weight, tensors.pop(f"{stem}.scales").astype(dtype),
-                               tensors.pop(f"{stem}.biases").astype(dtype),
-                               how["group_size"], how["bits"])
-        # Matrices whose rows split into whole groups (all of Qwen3's); mlx-lm leaves others as is.
-        elif bits and weight.ndim == 2 and weight.shape[1] % GROUP_SIZE == 0:
-            weight = quantize(weight, bits, dtype)
-        else:
-            weight = weight.astype(dtype)
+        weight = take_tensor(tensors, name, dtype, bits, stored)  # floats, or quantized (1b)
         mx.eval(weight)
         return weight
 
     layers = [{short: tensor(f"model.layers.{i}.{name}") for short, name in LAYER_TENSORS.items()}
               for i in range(config.num_hidden_layers)]
-    # Tied embeddings: the LM head *is* the embedding table (the same array: 311 MB not copied;
-    # quantized, the head multiplies by the quantized table). Untied ones (Qwen3-8B and up) store
-    # their own lm_head.weight. A tied checkpoint may store one too: a copy we drop, or a different
-    # matrix, which transformers then uses, and so do we (compared as stored, before converting).
+    # Tied (Qwen3-0.6B to 4B): the LM head *is* the embedding table, the same array (311 MB not
+    # copied), quantized or not. Untied (8B and up): lm_head.weight. A tied checkpoint may store
+    # one too: a copy we drop, or a different matrix, which transformers 5 uses, and so do we
+    # (mlx-lm drops it). Compared as stored, before any conversion.
     head = tensors.get("lm_head.weight")
     own_head = not config.tie_word_embeddings or (
         head is not None and not mx.array_equal(head, tensors["model.embed_tokens.weight"]).item())
@@ -167,26 +157,29 @@ def load_tokenizer(model_dir):
 #
 # Group-wise affine quantization (MLX's and mlx-lm's): each row of a matrix is cut into groups of
 # 64 consecutive weights. A group keeps one scale and one bias, in the weights' float type, and
-# 64 integers q from 0 to 2^bits - 1, chosen so that w ≈ scale * q + bias: the 2^bits levels are
-# spread evenly over the group's range, from its smallest weight to its largest. At 4 bits a weight
-# costs 4 + 2 x 16 / 64 = 4.5 bits instead of 16 (3.6x smaller; 8 bits: 8.5, 1.9x smaller). The
-# price is rounding: a weight moves by up to half a level, and every product moves with it (the
-# README, Quantization, measures how much on a layer).
+# 64 integers q from 0 to 2^bits - 1, chosen so that w ≈ scale * q + bias: 2^bits evenly spaced
+# levels covering the group's range, nudged so that 0 is exactly one of them. With 16-bit scales and
+# biases, a weight costs 4 + 2 x 16 / 64 = 4.5 bits at 4 bits instead of 16 (3.6x smaller; 8 bits:
+# 8.5, 1.9x smaller). The price is rounding: most weights move by at most half a level (the nudge,
+# and at 8 bits the 16-bit scales and biases, move some further), and every product moves with
+# them (the README, Quantization, measures how much on a layer).
 #
-# The model reads quantized matrices as they are: mx.quantized_matmul unpacks each group inside the
-# matrix product, so the full-precision matrix never exists in memory. That is the one change the
-# model needs, in linear(), through which every projection and the LM head go.
+# The model reads quantized matrices as they are, in two places: linear(), through which every
+# projection and the LM head go, where mx.quantized_matmul unpacks each group inside the matrix
+# product (the full-precision matrix never exists in memory), and embed() (section 3), which
+# unpacks only the rows it picks. Optional on a first read: without --quantize, or a checkpoint
+# stored quantized, every matrix is a plain float array and linear(x, W) is x @ W.T.
 
 GROUP_SIZE = 64  # weights sharing one scale and bias (mlx-lm's default)
 
 
 class Quantized(NamedTuple):  # a NamedTuple, so compiled functions (section 12) accept it
     """A matrix (out, in), quantized in groups along each of its rows: w ≈ scale * q + bias."""
-    weight: mx.array  # (out, in * bits / 32) uint32: each holds 32 / bits of the integers q
-    scales: mx.array  # (out, in / group_size): one per group, in the activations' dtype
-    biases: mx.array  # (out, in / group_size)
+    packed: mx.array  # (out, in * bits / 32) uint32: the integers q, packed bit after bit
+    scales: mx.array  # (out, in / group_size): one per group, in --dtype
+    biases: mx.array  # (out, in / group_size): each group's offset (not a layer's bias term)
     group_size: int
-    bits: int  # 4 or 8 with --quantize; a stored checkpoint may use 2 to 8
+    bits: int  # 4 or 8 with --quantize; a stored checkpoint may use 2 to 6, or 8
 
 
 def quantize(weight, bits, dtype):
@@ -207,12 +200,29 @@ def stored_quantization(model_dir):
     return raw.get("quantization") or {}
 
 
+def take_tensor(tensors, name, dtype, bits, stored):
+    """Take tensor `name` out of the checkpoint's `tensors` (section 1): stored quantized, with
+    its .scales and .biases, it is used as it is; with bits (--quantize), a matrix is quantized
+    now; otherwise it is converted to `dtype`."""
+    weight = tensors.pop(name)
+    stem = name.removesuffix(".weight")
+    if f"{stem}.scales" in tensors:  # stored quantized: the integers are used as they are
+        how = stored.get(stem, stored)  # a layer may have settings of its own
+        return Quantized(weight, tensors.pop(f"{stem}.scales").astype(dtype),
+                         tensors.pop(f"{stem}.biases").astype(dtype), how["group_size"],
+                         how["bits"])
+    # Matrices whose rows split into whole groups (all of Qwen3's); mlx-lm leaves others as is.
+    if bits and weight.ndim == 2 and weight.shape[1] % GROUP_SIZE == 0:
+        return quantize(weight, bits, dtype)
+    return weight.astype(dtype)
+
+
 def linear(x, weight):
     """x @ weight.T, for a weight (out, in) in floats or Quantized: every matrix product below."""
-    if isinstance(weight, Quantized):  # unpacks each group of weights as it multiplies
-        return mx.quantized_matmul(x, weight.weight, weight.scales, weight.biases, transpose=True,
-                                   group_size=weight.group_size, bits=weight.bits)
-    return x @ weight.T
+    if not isinstance(weight, Quantized):
+        return x @ weight.T
+    return mx.quantized_matmul(x, weight.packed, weight.scales, weight.biases, transpose=True,
+                               group_size=weight.group_size, bits=weight.bits)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -247,11 +257,11 @@ def chat_prompt(user, system=None, think=True):
 # ------------------------------------------------------------------------------------------------
 
 def embed(token_ids, embed_tokens):
-    if isinstance(embed_tokens, Quantized):  # unpack the rows picked, not the 151936-row table
-        t = embed_tokens
-        return mx.dequantize(t.weight[token_ids], t.scales[token_ids], t.biases[token_ids],
-                             group_size=t.group_size, bits=t.bits)  # (seq, 1024)
-    return embed_tokens[token_ids]  # (seq,) ids -> (seq, 1024)
+    if not isinstance(embed_tokens, Quantized):
+        return embed_tokens[token_ids]  # (seq,) ids -> (seq, 1024)
+    t = embed_tokens  # quantized (section 1b): unpack the rows picked, not the 151936-row table
+    return mx.dequantize(t.packed[token_ids], t.scales[token_ids], t.biases[token_ids],
+                         group_size=t.group_size, bits=t.bits)  # (seq, 1024)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -354,8 +364,8 @@ class KVCache:
         if self.offset + seq > capacity:  # grow by whole chunks
             extra = math.ceil((self.offset + seq - capacity) / self.GROWTH) * self.GROWTH
             empty = mx.zeros((n_kv_heads, extra, head_dim), k.dtype)
-            if self.keys is None:  # two distinct arrays: `a[...] = x` below changes the array
-                self.keys, self.values = empty, mx.zeros_like(empty)  # object itself
+            if self.keys is None:  # two arrays, not one shared: the slice writes below change
+                self.keys, self.values = empty, mx.zeros_like(empty)  # an array in place
             else:
                 self.keys = mx.concatenate([self.keys, empty], axis=1)
                 self.values = mx.concatenate([self.values, empty], axis=1)
@@ -387,8 +397,8 @@ def attend(q, k, v):
         # Causal mask: query i sits at position total-seq+i and sees keys 0 ... total-seq+i.
         allowed = mx.arange(total)[None, :] <= (total - seq + mx.arange(seq))[:, None]
         scores = mx.where(allowed, scores, -mx.inf)  # (seq, total) mask, broadcast
-        weights = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)  # float32 exp/sum
-        return (weights @ v).reshape(n_heads, seq, head_dim)
+        probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)  # float32 exp/sum
+        return (probs @ v).reshape(n_heads, seq, head_dim)
     # The kernel wants a batch axis; it does the head groups and the mask itself. A single new token
     # is the last position, which may see every key: no mask.
     out = mx.fast.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale,
@@ -453,7 +463,7 @@ def forward(token_ids, weights, config, cache, last_only=True):
     for layer, layer_cache in zip(weights["layers"], cache):
         x = transformer_block(x, layer, config, layer_cache)
     if last_only:  # generating needs only the next token: skip (seq-1) x 151936 dot products
-        x = x[-1:]  # (1, 1024): still a matrix, which MLX's quantized_matmul on CUDA requires
+        x = x[-1:]  # (1, 1024): kept 2-D, as quantized_matmul needs a matrix (on CUDA)
     x = rms_norm(x, weights["norm"], config.rms_norm_eps)
     logits = linear(x, weights["lm_head"])  # (1 or seq, vocab): a score (logit) per token
     return logits[0] if last_only else logits
@@ -466,7 +476,7 @@ def forward(token_ids, weights, config, cache, last_only=True):
 class Sampling(NamedTuple):
     temperature: float = 0.0  # 0 = greedy: always the most likely token
     top_k: int = 0  # keep the k most likely tokens, and any tied with the k-th (0 = all) ...
-    top_p: float = 1.0  # ... then the fewest of those whose probabilities add up to >= top_p ...
+    top_p: float = 1.0  # ... then the fewest whose probabilities add up to >= top_p (nucleus) ...
     min_p: float = 0.0  # ... then those at least min_p times as likely as the likeliest one
     presence_penalty: float = 0.0  # subtracted from the logit of each token already in the reply
     seed: int = 0  # the random stream, so that a run can be repeated
@@ -488,7 +498,7 @@ def filter_logits(logits, sampling):
         # Walk down from the likeliest token: a token stays if those before it add up to less than
         # top_p (so the one crossing the threshold stays). Only the top-k candidates need sorting.
         order = candidates[mx.argsort(-logits[candidates])]  # token ids, likeliest first
-        # = softmax(logits)[order]; the sum over all of `logits` counts the ties at the top-k bar
+        # Probabilities over every token still in (ties at the top-k bar included), in that order.
         probs = mx.exp(logits[order] - mx.logsumexp(logits))
         kept = mx.cumsum(probs) - probs < top_p  # the mass before each token; top_p > 0 keeps one
         bar = mx.where(kept, logits[order], mx.inf).min()  # the least likely token that stays ...
@@ -527,11 +537,11 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
              use_cache=True):
     """Yield (token id, the logits it was drawn from) until an id in eos_ids (yielded too) or
     max_tokens. `cache` may already hold earlier tokens (a chat, section 13): prompt_ids then
-    continue them. use_cache=False recomputes the whole sequence at every step (an experiment)."""
+    continue them. use_cache=False recomputes the whole sequence at every step (an experiment,
+    without any earlier tokens)."""
     cache = make_cache(config) if cache is None else cache
     key = mx.random.key(sampling.seed)
-    all_ids = mx.array(prompt_ids)  # the whole sequence; only the use_cache=False experiment
-    #                                 reads it after the prefill
+    all_ids = mx.array(prompt_ids)  # the prompt; with use_cache=False, it grows by each new token
     in_reply = mx.zeros(config.vocab_size)  # 1 for each token generated so far (presence penalty)
 
     def next_logits(new_ids):
@@ -618,7 +628,7 @@ swiglu = mx.compile(swiglu)
 # computed again, even text that reappears unchanged at new positions.
 #
 # Why would anything differ? Because the template rewrites history. Once a new user message
-# follows, a reply's <think>...</think> reasoning is dropped: it has served its purpose, kept it
+# follows, a reply's <think>...</think> reasoning is dropped: it has served its purpose, keeping it
 # would fill the context, and Qwen3 was trained on conversations without it. The empty think block
 # of a reply made without thinking goes too. So each turn rolls back to the start of the last
 # reply, then prefills its answer and the new message; everything before is reused. (A reply cut
@@ -1289,8 +1299,8 @@ def parse_args(argv):
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                     help="auto = bfloat16 on a GPU, float32 on the CPU")
     ap.add_argument("--quantize", type=int, choices=[4, 8], metavar="{4,8}",
-                    help="store the weights in 4 or 8 bits, as mlx_lm.convert does: less memory; "
-                         "faster decoding on a GPU, not on the CPU (README, Quantization)")
+                    help="store the weights in 4 or 8 bits, as mlx_lm.convert does: less memory "
+                         "(what it does to speed: README, Quantization)")
     lab = ap.add_argument_group("experiments (README, Experiments)")
     lab.add_argument("--top-probs", type=number(int, 1), metavar="N",
                      help="print the N likeliest first tokens and their probabilities")

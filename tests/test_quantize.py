@@ -38,7 +38,7 @@ def converted(request, folder):
 
 
 def dequantized(q):
-    return mx.dequantize(q.weight, q.scales, q.biases, group_size=q.group_size, bits=q.bits)
+    return mx.dequantize(q.packed, q.scales, q.biases, group_size=q.group_size, bits=q.bits)
 
 
 def relative_error(approximate, exact):
@@ -55,7 +55,7 @@ def test_each_quantized_product_is_dequantize_then_matmul(folder, bits):
         for short in MATRICES:
             q = layer[short]
             assert isinstance(q, li.Quantized) and (q.bits, q.group_size) == (bits, 64)
-            assert q.weight.dtype == mx.uint32 and q.scales.dtype == q.biases.dtype == mx.float32
+            assert q.packed.dtype == mx.uint32 and q.scales.dtype == q.biases.dtype == mx.float32
             w = dequantized(q)  # (out, in)
             x_in = mx.random.normal((3, w.shape[1]), key=mx.random.key(i))
             exact = x_in @ w.T
@@ -91,11 +91,11 @@ def test_quantize_at_load_equals_mlx_lm_convert(folder, converted):
             named |= {f"model.layers.{i}.{name[:-len('.weight')]}": layer[short]
                       for short, name in li.LAYER_TENSORS.items()}
         assert sorted(f"{name}.{part}" for name, t in named.items()
-                      for part in (li.Quantized._fields[:3] if isinstance(t, li.Quantized) else ["weight"])
+                      for part in (["weight", "scales", "biases"] if isinstance(t, li.Quantized) else ["weight"])
                       ) == sorted(theirs)
         for name, t in named.items():
             if isinstance(t, li.Quantized):
-                assert mx.array_equal(t.weight, theirs[f"{name}.weight"])  # the same integers
+                assert mx.array_equal(t.packed, theirs[f"{name}.weight"])  # the same integers
                 for part in ("scales", "biases"):  # bfloat16 in the file: exact in float32 too
                     assert getattr(t, part).dtype == dtype
                     assert mx.array_equal(getattr(t, part), theirs[f"{name}.{part}"].astype(dtype))
