@@ -124,12 +124,9 @@ def matmul_speeds(n=4096, reps=20):
     cases = {}
     for dtype in (mx.float32, mx.bfloat16):
         name = str(dtype).split(".")[-1]
-        cases[name] = (lambda a, b: a @ b.T, x.astype(dtype), w.astype(dtype))
-        for bits in (8, 4):
-            q, scales, biases = mx.quantize(w, group_size=64, bits=bits)
-            product = lambda a, *wsb, bits=bits: mx.quantized_matmul(a, *wsb, transpose=True, group_size=64,
-                                                                    bits=bits)
-            cases[f"{bits}-bit, {name}"] = (product, x.astype(dtype), q, scales.astype(dtype), biases.astype(dtype))
+        cases[name] = (li.linear, x.astype(dtype), w.astype(dtype))
+        for bits in (8, 4):  # quantized from the bfloat16 values, as --quantize does
+            cases[f"{bits}-bit, {name}"] = (li.linear, x.astype(dtype), li.quantize(w, bits, dtype))
     print(f"one (1, {n}) x ({n}, {n}) product, median of {reps}:")
     for name, (product, *arrays) in cases.items():
         mx.eval(arrays, product(*arrays))
@@ -171,9 +168,7 @@ def step_breakdown(weights, config, model, context=128, steps=30):
 def quantization_error(model_dir, weights):
     """{matrix: relative error ‖x Ŵᵀ - x Wᵀ‖ / ‖x Wᵀ‖} for layer 0's matrices, W as the checkpoint stores
     it, Ŵ quantized (--quantize), x 64 random float32 rows."""
-    stored = {}
-    for path in li.weight_files(model_dir):
-        stored |= mx.load(str(path))
+    stored = li.load_tensors(model_dir)
     errors = {}
     for short in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
         w = stored[f"model.layers.0.{li.LAYER_TENSORS[short]}"].astype(mx.float32)

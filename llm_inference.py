@@ -111,12 +111,18 @@ def weight_files(model_dir):
     return [model_dir / name for name in sorted(set(index["weight_map"].values()))]
 
 
+def load_tensors(model_dir):
+    """Every tensor of every weight file, by name; lazy: nothing is read until it is used."""
+    tensors = {}
+    for path in weight_files(model_dir):
+        tensors |= mx.load(str(path))
+    return tensors
+
+
 def load_weights(model_dir, config, dtype, bits=None):
     """{"embed_tokens", "layers": [{"q_proj": ..., ...} x 28], "norm", "lm_head"}, as `dtype`;
     with bits=4 or 8, every matrix is quantized as it is read (section 1b)."""
-    tensors = {}  # every tensor of every file, by name; lazy: nothing read yet
-    for path in weight_files(model_dir):
-        tensors |= mx.load(str(path))
+    tensors = load_tensors(model_dir)
     stored = stored_quantization(model_dir)  # {} unless the checkpoint is stored quantized (1b)
 
     # Read and convert one tensor at a time, so the file's bfloat16 copy of everything never sits
@@ -1447,10 +1453,11 @@ def make_room(chat, message, max_tokens):
     the context; say so on stderr. A message too long even alone is a UserError. Once the context
     is full, each turn drops the oldest and prefills the whole conversation again: slower turns."""
     context, dropped = chat.config.max_position_embeddings, 0
-    while len(chat.prompt_ids(message)) + max_tokens > context and chat.turns:
+    n_prompt = len(chat.prompt_ids(message))
+    while n_prompt + max_tokens > context and chat.turns:
         del chat.turns[0]  # the cache rolls back to the system message and prefills the rest
         dropped += 1
-    n_prompt = len(chat.prompt_ids(message))
+        n_prompt = len(chat.prompt_ids(message))
     if n_prompt + max_tokens > context:
         raise UserError(f"this message makes a {n_prompt}-token prompt; with --max-tokens "
                         f"{max_tokens} that exceeds the model's {context}-token context: "
