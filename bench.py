@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten, tree_unflatten  # noqa: E402
 def ours(weights, config):
     def run(prompt, n):
         # greedy; eos_ids=() never stops early
-        return (token for token, _ in li.generate(prompt, weights, config, max_tokens=n))
+        return (token for token, _ in li.generate_long(prompt, weights, config, max_tokens=n))
     return run
 
 
@@ -48,12 +48,12 @@ def cache_experiment(weights, config, lengths, n=16, reps=3):
     for length in lengths:
         prompt = mx.random.randint(0, config.vocab_size, (length,), key=mx.random.key(2)).tolist()
         speeds = {}
-        for use_cache in (True, False):
-            run = lambda p, k: (t for t, _ in li.generate(p, weights, config, k, use_cache=use_cache))
+        for name, generate in (("cache", li.generate_long), ("none", li.generate_without_cache)):
+            run = lambda p, k: (t for t, _ in generate(p, weights, config, k))
             timed(run, prompt, 4)  # warm-up
-            speeds[use_cache] = statistics.median(timed(run, prompt, n)["decode"] for _ in range(reps))
-        print(f"{length:>6} tokens of context: {speeds[True]:9.1f} vs {speeds[False]:9.1f} tok/s, "
-              f"the cache is {speeds[True] / speeds[False]:.1f}x faster")
+            speeds[name] = statistics.median(timed(run, prompt, n)["decode"] for _ in range(reps))
+        print(f"{length:>6} tokens of context: {speeds['cache']:9.1f} vs {speeds['none']:9.1f} tok/s, "
+              f"the cache is {speeds['cache'] / speeds['none']:.1f}x faster")
 
 
 def chat_experiment(weights, config, tokenizer, turns, reply_tokens):
@@ -204,7 +204,10 @@ def load_pair(model_dir, dtype, bits=None):
     from mlx_lm.utils import load, quantize_model
 
     config = li.load_config(model_dir)
-    weights = li.load_weights(model_dir, config, dtype, bits)
+    if bits or li.stored_quantization(model_dir):
+        weights = li.load_quantized(model_dir, config, dtype, bits)
+    else:
+        weights = li.load_weights(model_dir, config, dtype)
     model, _, raw_config = load(str(model_dir), lazy=True, return_config=True)
     if bits:
         model, _ = quantize_model(model, raw_config, li.GROUP_SIZE, bits)
@@ -239,6 +242,7 @@ def main():
     if args.device:
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     dtype = li.pick_dtype(args.dtype)
+    li.compile_model()  # as the command line does
     if args.matmul:
         matmul_speeds()
         return

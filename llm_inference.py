@@ -1,54 +1,44 @@
 """How an LLM really generates text: Qwen3 from its released files, with MLX, in one file.
 
-Part 1 is the model, in the order data flows through it. Part 2 is the program around it: checking
-the model folder, downloading it, the command line and the chat loop. Stop after Part 1 and you have
-seen the model.
+Part 1, the model, is the first read: at the end of generate() you have seen all of it. Part 2
+goes further, in optional sections that each build on Part 1 alone. Part 3 is the program around
+it: checking and downloading the model, the command line, the chat loop.
 
     "The capital of France is"
-      -> 1. load      config.json + model.safetensors + tokenizer.json
-                      (1b. optionally quantized: 4 or 8 bits per weight instead of 16)
-      -> 2. tokenize  [785, 6722, 315, 9625, 374]
-      -> 3. embed     one 1024-number vector per token                      (seq, 1024)
-      -> 8. transformer block, 28 times:
-              4. RMSNorm -> 6. attention (5. RoPE, QK-norm, KV cache) -> add back
-              4. RMSNorm -> 7. SwiGLU feed-forward                    -> add back
-      -> 9. final RMSNorm + LM head: one score per vocabulary entry         (151936,)
-      -> 10. sample   " Paris"
-      -> 11. generate: feed " Paris" back in, repeat until <|im_end|>
-      -> 13. chat: many turns, one KV cache, reused up to the first token that changed
+      1. load       config.json, model.safetensors, tokenizer.json
+      2. tokenize   -> [785, 6722, 315, 9625, 374]
+      3. embed      -> one 1024-number vector per token                     (seq, 1024)
+      4. RMSNorm  \
+      5. RoPE      | the parts of a transformer block
+      6. attention |   (grouped-query, QK-norm, KV cache)
+      7. SwiGLU   /
+      8. block      x + attention(RMSNorm(x)), then + SwiGLU(RMSNorm(...)), 28 times
+      9. forward    embed -> 28 blocks -> final RMSNorm -> LM head          (151936,) logits
+      10. sample    -> " Paris"
+      11. generate  feed " Paris" back in, repeat until <|im_end|>
 
 Shapes are written without a batch axis (one sequence at a time), with Qwen3-0.6B's sizes.
 
 MLX is lazy: `y = x @ w` only records the operation in a graph; the arithmetic runs when a value is
-needed (`print(y)`, `y.item()`, `mx.eval(y)`). Two speed tricks build on that: generate() queues the
-next token's work before reading the current token (section 11), and mx.compile turns a function's
-recorded graph into one reusable, fused call (section 12).
+needed (`print(y)`, `y.item()`, `mx.eval(y)`). generate() (section 11) builds on that.
 """
 
-import argparse
 import ctypes
 import json
 import math
 import os
-import re
-import shutil
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import NamedTuple
 
-# Part 2 plumbing, skip on a first read. MLX's Linux CPU wheel bundles a slow reference BLAS: use
-# OpenBLAS instead when it is installed (Part 2, "OpenBLAS", says more; LLM_INFERENCE_BLAS=0 turns
-# it off). It must be loaded before MLX: once mlx.core is imported, it would not be used.
+# On a Linux CPU, MLX runs faster with OpenBLAS, which must be loaded before MLX (Part 3, OpenBLAS).
 MLX_CPU_WHEEL = any(Path(folder, "mlx_cpu.libs").is_dir() for folder in sys.path)
-OPENBLAS = False
-if MLX_CPU_WHEEL and os.environ.get("LLM_INFERENCE_BLAS") != "0" and "mlx.core" not in sys.modules:
-    try:
-        ctypes.CDLL("libopenblas.so.0", mode=ctypes.RTLD_GLOBAL)
-        OPENBLAS = True
-    except OSError:  # not installed: main() prints the command that installs it
-        pass
+try:
+    OPENBLAS = (MLX_CPU_WHEEL and os.environ.get("LLM_INFERENCE_BLAS") != "0"
+                and "mlx.core" not in sys.modules
+                and bool(ctypes.CDLL("libopenblas.so.0", mode=ctypes.RTLD_GLOBAL)))
+except OSError:  # not installed: main() prints the command that installs it
+    OPENBLAS = False
 
 import mlx.core as mx
 from tokenizers import Tokenizer
@@ -58,11 +48,9 @@ from tokenizers.decoders import DecodeStream
 # PART 1: THE MODEL
 # ================================================================================================
 
-# ------------------------------------------------------------------------------------------------
-# 1. Load: the hyper-parameters from config.json, the weights from *.safetensors
-# ------------------------------------------------------------------------------------------------
+# --- 1. Load: the hyper-parameters from config.json, the weights from *.safetensors ---------------
 
-class Config(NamedTuple):  # a NamedTuple: mx.compile accepts it as an argument (section 12)
+class Config(NamedTuple):  # what the model reads from config.json
     hidden_size: int  # 1024: width of the "residual stream" layers read and add to (section 8)
     num_hidden_layers: int  # 28 transformer blocks
     num_attention_heads: int  # 16 query heads ...
@@ -84,8 +72,7 @@ def load_config(model_dir):
     return Config(**{name: kind(raw[name]) for name, kind in Config.__annotations__.items()})
 
 
-# A layer's tensors: the short name used below -> the name in the checkpoint. Matrices are stored
-# (out, in), PyTorch's nn.Linear layout, so a layer computes x @ W.T (linear(), 1b).
+# A layer's tensors: the short name used below -> the name in the checkpoint.
 LAYER_TENSORS = {
     "input_layernorm": "input_layernorm.weight",  # (1024,)
     "q_proj": "self_attn.q_proj.weight",  # (2048, 1024) = (16 heads x 128, 1024)
@@ -119,30 +106,24 @@ def load_tensors(model_dir):
     return tensors
 
 
-def load_weights(model_dir, config, dtype, bits=None):
-    """{"embed_tokens", "layers": [{"q_proj": ..., ...} x 28], "norm", "lm_head"}, as `dtype`;
-    with bits=4 or 8, every matrix is quantized as it is read (section 1b)."""
+def load_weights(model_dir, config, dtype, take=None):
+    """{"embed_tokens", "layers": [{"q_proj": ..., ...} x 28], "norm", "lm_head"}, as `dtype`.
+    (`take` changes how a tensor is taken from the file: section 15 passes one that quantizes.)"""
     tensors = load_tensors(model_dir)
-    stored = stored_quantization(model_dir)  # {} unless the checkpoint is stored quantized (1b)
 
-    # Read and convert one tensor at a time, so the file's bfloat16 copy of everything never sits
-    # beside the converted weights (in float32 that would peak at 1.5x the weights).
+    # Convert one tensor at a time, so the file's bfloat16 copy of everything never sits beside
+    # the converted weights (in float32 that would peak at 1.5x the weights).
     def tensor(name):
-        weight = take_tensor(tensors, name, dtype, bits, stored)  # floats, or quantized (1b)
+        weight = take(tensors, name) if take else tensors.pop(name).astype(dtype)
         mx.eval(weight)
         return weight
 
     layers = [{short: tensor(f"model.layers.{i}.{name}") for short, name in LAYER_TENSORS.items()}
               for i in range(config.num_hidden_layers)]
-    # Tied (Qwen3-0.6B to 4B): the LM head *is* the embedding table, the same array (311 MB not
-    # copied), quantized or not. Untied (8B and up): lm_head.weight. A tied checkpoint may store
-    # one too: a copy we drop, or a different matrix, which transformers 5 uses, and so do we
-    # (mlx-lm drops it). Compared as stored, before any conversion.
-    head = tensors.get("lm_head.weight")
-    own_head = not config.tie_word_embeddings or (
-        head is not None and not mx.array_equal(head, tensors["model.embed_tokens.weight"]).item())
     embed_tokens = tensor("model.embed_tokens.weight")  # (151936, 1024)
-    lm_head = tensor("lm_head.weight") if own_head else embed_tokens
+    # Qwen3-0.6B to 4B tie the LM head to the embedding table: the same array, not a 311 MB copy.
+    # Qwen3-8B and up have their own, lm_head.weight.
+    lm_head = embed_tokens if config.tie_word_embeddings else tensor("lm_head.weight")
     return {"embed_tokens": embed_tokens, "layers": layers, "norm": tensor("model.norm.weight"),
             "lm_head": lm_head}
 
@@ -151,89 +132,7 @@ def load_tokenizer(model_dir):
     return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
 
 
-# ------------------------------------------------------------------------------------------------
-# 1b. Quantization (--quantize 4 or 8): fewer bits per weight, fewer bytes to read per token
-# ------------------------------------------------------------------------------------------------
-#
-# Generating a token multiplies one vector by every weight matrix: each weight is read from memory,
-# used for a single multiply-add, and dropped. So decoding waits on memory, not on arithmetic:
-# Qwen3-0.6B reads its 1.2 GB of bfloat16 weights for every token, and a machine whose memory
-# delivers 100 GB/s cannot decode more than about 80 tokens a second. Fewer bytes per weight, more
-# tokens per second.
-#
-# Group-wise affine quantization (MLX's and mlx-lm's): each row of a matrix is cut into groups of
-# 64 consecutive weights. A group keeps one scale and one bias, in the weights' float type, and
-# 64 integers q from 0 to 2^bits - 1, chosen so that w ≈ scale * q + bias: 2^bits evenly spaced
-# levels covering the group's range, nudged so that 0 is exactly one of them. With 16-bit scales and
-# biases, a weight costs 4 + 2 x 16 / 64 = 4.5 bits at 4 bits instead of 16 (3.6x smaller; 8 bits:
-# 8.5, 1.9x smaller). The price is rounding: most weights move by at most half a level (the nudge,
-# and at 8 bits the 16-bit scales and biases, move some further), and every product moves with
-# them (the README, Quantization, measures how much on a layer).
-#
-# The model reads quantized matrices as they are, in two places: linear(), through which every
-# projection and the LM head go, where mx.quantized_matmul unpacks each group inside the matrix
-# product (the full-precision matrix never exists in memory), and embed() (section 3), which
-# unpacks only the rows it picks. Optional on a first read: without --quantize, or a checkpoint
-# stored quantized, every matrix is a plain float array and linear(x, W) is x @ W.T.
-
-GROUP_SIZE = 64  # weights sharing one scale and bias (mlx-lm's default)
-
-
-class Quantized(NamedTuple):  # a NamedTuple, so compiled functions (section 12) accept it
-    """A matrix (out, in), quantized in groups along each of its rows: w ≈ scale * q + bias."""
-    packed: mx.array  # (out, in * bits / 32) uint32: the integers q, packed bit after bit
-    scales: mx.array  # (out, in / group_size): one per group, in --dtype
-    biases: mx.array  # (out, in / group_size): each group's offset (not a layer's bias term)
-    group_size: int
-    bits: int  # 4 or 8 with --quantize; a stored checkpoint may use 2 to 6, or 8
-
-
-def quantize(weight, bits, dtype):
-    """A checkpoint matrix -> Quantized, as mlx_lm.convert does it: from the values as stored
-    (bfloat16), so the scales and biases are bfloat16 numbers, then held as `dtype` (float32 keeps
-    them exactly)."""
-    q, scales, biases = mx.quantize(weight, group_size=GROUP_SIZE, bits=bits)  # affine mode
-    return Quantized(q, scales.astype(dtype), biases.astype(dtype), GROUP_SIZE, bits)
-
-
-def stored_quantization(model_dir):
-    """How a checkpoint stored already quantized was made: config.json's "quantization" entry, as
-    mlx_lm.convert writes it (mlx-community's and Qwen's own "-MLX-4bit" models). Each quantized
-    matrix x.weight is then stored as three tensors: x.weight (the packed uint32), x.scales and
-    x.biases. Returns {"group_size": 64, "bits": 4, "mode": "affine"} plus, for the layers quantized
-    differently (mixed precision), their own settings by name; {} for a checkpoint in floats."""
-    raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    return raw.get("quantization") or {}
-
-
-def take_tensor(tensors, name, dtype, bits, stored):
-    """Take tensor `name` out of the checkpoint's `tensors` (section 1): stored quantized, with
-    its .scales and .biases, it is used as it is; with bits (--quantize), a matrix is quantized
-    now; otherwise it is converted to `dtype`."""
-    weight = tensors.pop(name)
-    stem = name.removesuffix(".weight")
-    if f"{stem}.scales" in tensors:  # stored quantized: the integers are used as they are
-        how = stored.get(stem, stored)  # a layer may have settings of its own
-        return Quantized(weight, tensors.pop(f"{stem}.scales").astype(dtype),
-                         tensors.pop(f"{stem}.biases").astype(dtype), how["group_size"],
-                         how["bits"])
-    # Matrices whose rows split into whole groups (all of Qwen3's); mlx-lm leaves others as is.
-    if bits and weight.ndim == 2 and weight.shape[1] % GROUP_SIZE == 0:
-        return quantize(weight, bits, dtype)
-    return weight.astype(dtype)
-
-
-def linear(x, weight):
-    """x @ weight.T, for a weight (out, in) in floats or Quantized: every matrix product below."""
-    if not isinstance(weight, Quantized):
-        return x @ weight.T
-    return mx.quantized_matmul(x, weight.packed, weight.scales, weight.biases, transpose=True,
-                               group_size=weight.group_size, bits=weight.bits)
-
-
-# ------------------------------------------------------------------------------------------------
-# 2. Tokenize: text -> integer ids (byte-level BPE, in tokenizer.json)
-# ------------------------------------------------------------------------------------------------
+# --- 2. Tokenize: text -> integer ids (byte-level BPE, in tokenizer.json) -------------------------
 
 def tokenize(tokenizer, text):
     """Text -> ids of vocabulary pieces: "The capital of France is" -> [785, 6722, 315, 9625, 374].
@@ -245,40 +144,20 @@ def tokenize(tokenizer, text):
     return tokenizer.encode(text).ids
 
 
-def chat_prompt(user, system=None, think=True):
-    """Qwen3's chat format, written out by hand: each turn is <|im_start|>role\\n...<|im_end|>\\n.
-
-    The text ends by opening the assistant's turn, so the likeliest continuation is a reply. Qwen3
-    first "thinks" inside <think>...</think>; an empty think block (what Qwen's template writes for
-    enable_thinking=False) makes it answer directly. system="" writes an empty system turn; None
-    writes none. The tokenizer maps each marker such as <|im_start|> to one special id.
-    """
-    text = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
-    text += f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-    return text if think else text + "<think>\n\n</think>\n\n"
-
-
-# ------------------------------------------------------------------------------------------------
-# 3. Embed: each id picks one row of the embedding table
-# ------------------------------------------------------------------------------------------------
+# --- 3. Embed: each id picks one row of the embedding table ---------------------------------------
 
 def embed(token_ids, embed_tokens):
-    if not isinstance(embed_tokens, Quantized):
-        return embed_tokens[token_ids]  # (seq,) ids -> (seq, 1024)
-    t = embed_tokens  # quantized (section 1b): unpack the rows picked, not the 151936-row table
-    return mx.dequantize(t.packed[token_ids], t.scales[token_ids], t.biases[token_ids],
-                         group_size=t.group_size, bits=t.bits)  # (seq, 1024)
+    """(seq,) ids -> (seq, 1024): row i of the table, learned in training, stands for token i."""
+    if isinstance(embed_tokens, Quantized):  # a table stored in 4 or 8 bits: section 15
+        return quantized_embed(token_ids, embed_tokens)
+    return embed_tokens[token_ids]
 
 
-# ------------------------------------------------------------------------------------------------
-# 4. RMSNorm: rescale each vector to unit root-mean-square, then by a learned per-channel gain
-# ------------------------------------------------------------------------------------------------
+# --- 4. RMSNorm: rescale each vector to unit root-mean-square, then by a learned per-channel gain -
 
-# RMSNorm, RoPE and attention are written out below as math: several MLX operations each. MLX also
-# ships each as one fused kernel that computes the same numbers (to rounding; the tests check it)
-# in one pass over memory, which is faster. This flag picks the kernels. The command line's
-# --reference-ops clears it once, before anything runs: compiled code (section 12) keeps the value
-# it saw when it was traced.
+# RMSNorm, RoPE and attention are written out below as math, several MLX operations each. MLX also
+# has each as one fused kernel, which computes the same numbers (to rounding; the tests check it) in
+# one pass over memory: faster. This flag picks the kernels; --reference-ops clears it.
 FUSED_KERNELS = True
 
 
@@ -291,9 +170,7 @@ def rms_norm(x, weight, eps):
     return mx.fast.rms_norm(x, weight, eps)
 
 
-# ------------------------------------------------------------------------------------------------
-# 5. RoPE: encode a token's position by rotating pairs of its query/key channels
-# ------------------------------------------------------------------------------------------------
+# --- 5. RoPE: encode a token's position by rotating pairs of its query/key channels ---------------
 
 def apply_rope(x, offset, theta):
     """Rotate x (heads, seq, head_dim), whose first position is the absolute position `offset`.
@@ -314,9 +191,7 @@ def apply_rope(x, offset, theta):
     return mx.fast.rope(x, head_dim, traditional=False, base=theta, scale=1.0, offset=offset)
 
 
-# ------------------------------------------------------------------------------------------------
-# 6. Attention: each position gathers information from itself and the positions before it
-# ------------------------------------------------------------------------------------------------
+# --- 6. Attention: each position gathers information from itself and the positions before it ------
 #
 # Each position emits, per head, a query ("what am I looking for?"), a key ("what do I hold?") and a
 # value ("what do I pass on?"). Its output is an average of the values, weighted by how well its
@@ -331,6 +206,14 @@ def apply_rope(x, offset, theta):
 # heads its own key/value head; multi-query attention shares one K/V head among all; Qwen3 takes
 # the middle, grouped-query attention: 8 K/V heads, each shared by 2 query heads. Compared with 16
 # K/V heads, that halves the keys and values to compute and to cache, at little cost in quality.
+
+def linear(x, weight):
+    """x @ weight.T: every matrix product of the model. The checkpoint stores each matrix
+    (out, in), PyTorch's nn.Linear layout, so x (seq, in) -> (seq, out)."""
+    if isinstance(weight, Quantized):  # a matrix stored in 4 or 8 bits: section 15
+        return quantized_linear(x, weight)
+    return x @ weight.T
+
 
 def queries_keys_values(x, layer, config, offset):
     """The first half of attention: x (seq, 1024) at positions offset, offset+1, ... -> q, k, v."""
@@ -352,9 +235,8 @@ class KVCache:
     """One layer's keys and values for every position so far, so a new token computes only its own.
 
     Without it, each new token re-runs all earlier tokens through every weight matrix of every
-    layer, and the work per token grows with the sequence. With it, one token goes through the
-    weights, and only attention still reads the n cached keys and values. Qwen3-0.6B in bfloat16
-    caches 28 layers x 2 (K and V) x 8 heads x 128 x 2 bytes = 112 KiB per token.
+    layer. With it, one token goes through the weights; only attention reads the cached keys and
+    values. Qwen3-0.6B in bfloat16: 28 layers x 2 (K, V) x 8 heads x 128 x 2 bytes, 112 KiB/token.
     """
 
     GROWTH = 256  # positions added at a time: one copy per 256 tokens, not one per token
@@ -365,20 +247,18 @@ class KVCache:
 
     def update_and_fetch(self, k, v):
         """Store k, v (8, seq, 128) at positions offset, offset+1, ...; return all so far."""
-        n_kv_heads, seq, head_dim = k.shape
-        capacity = 0 if self.keys is None else self.keys.shape[1]
-        if self.offset + seq > capacity:  # grow by whole chunks
-            extra = math.ceil((self.offset + seq - capacity) / self.GROWTH) * self.GROWTH
-            empty = mx.zeros((n_kv_heads, extra, head_dim), k.dtype)
-            if self.keys is None:  # two arrays, not one shared: the slice writes below change
-                self.keys, self.values = empty, mx.zeros_like(empty)  # an array in place
-            else:
-                self.keys = mx.concatenate([self.keys, empty], axis=1)
-                self.values = mx.concatenate([self.values, empty], axis=1)
-        self.keys[:, self.offset : self.offset + seq] = k
-        self.values[:, self.offset : self.offset + seq] = v
-        self.offset += seq
-        return self.keys[:, : self.offset], self.values[:, : self.offset]  # (8, total, 128)
+        end = self.offset + k.shape[1]
+        if self.keys is None or end > self.keys.shape[1]:  # full: move to a larger array
+            shape = (k.shape[0], math.ceil(end / self.GROWTH) * self.GROWTH, k.shape[2])
+            keys, values = mx.zeros(shape, k.dtype), mx.zeros(shape, v.dtype)
+            if self.keys is not None:
+                keys[:, : self.offset] = self.keys[:, : self.offset]
+                values[:, : self.offset] = self.values[:, : self.offset]
+            self.keys, self.values = keys, values
+        self.keys[:, self.offset : end] = k
+        self.values[:, self.offset : end] = v
+        self.offset = end
+        return self.keys[:, :end], self.values[:, :end]  # (8, total, 128)
 
 
 def make_cache(config):
@@ -414,9 +294,7 @@ def attend(q, k, v):
 
 def attention(x, layer, config, cache):
     """x (seq, 1024), already normalised -> (seq, 1024): what each position gathers from others."""
-    # The offset is passed as an array: a compiled function (section 12) is traced again for every
-    # new Python number it gets, but not for a new array value.
-    q, k, v = queries_keys_values(x, layer, config, mx.array(cache.offset))
+    q, k, v = queries_keys_values(x, layer, config, cache.offset)
     k, v = cache.update_and_fetch(k, v)  # (8, total, 128): the earlier positions' and these
     heads = attend(q, k, v)  # (16, seq, 128)
     # Concatenate the heads into one vector per position; the output projection mixes them.
@@ -424,43 +302,30 @@ def attention(x, layer, config, cache):
     return linear(heads, layer["o_proj"])  # (seq, 1024)
 
 
-# ------------------------------------------------------------------------------------------------
-# 7. SwiGLU feed-forward: a gated two-layer MLP applied to each position on its own
-# ------------------------------------------------------------------------------------------------
+# --- 7. SwiGLU feed-forward: a gated two-layer MLP applied to each position on its own ------------
 
 def swiglu(x, layer):
-    """(seq, 1024) -> (seq, 3072) -> (seq, 1024): about 60% of each block's weights, and thought to
-    hold much of what the model knows. (SwiGLU: a Gated Linear Unit with the Swish, or silu, gate.)
-
-    Attention moves information between positions; this works on each position alone. It widens to
-    3x the width to have room for many features at once, then projects back. silu(g) = g * σ(g) is
-    a smooth ReLU, not a 0-1 switch: it passes positive gate values almost unchanged and squashes
-    negative ones towards 0; multiplied with a second projection (`up`), it gates it.
-    """
+    """(seq, 1024) -> (seq, 3072) -> (seq, 1024), each position on its own (attention moves
+    information between them): about 60% of a block's weights, thought to hold much of what the
+    model knows. It widens 3x to have room for many features at once. silu(g) = g * σ(g) is a
+    smooth ReLU, not a 0-1 switch; multiplied with a second projection, `up`, it gates it."""
     gate = linear(x, layer["gate_proj"])  # (seq, 3072)
     up = linear(x, layer["up_proj"])  # (seq, 3072)
     return linear(gate * mx.sigmoid(gate) * up, layer["down_proj"])  # (seq, 1024)
 
 
-# ------------------------------------------------------------------------------------------------
-# 8. Transformer block: attention, then feed-forward, each added back to the residual stream
-# ------------------------------------------------------------------------------------------------
+# --- 8. Transformer block: attention, then feed-forward, each added back to the residual stream ---
 
 def transformer_block(x, layer, config, cache):
-    """x (seq, 1024) -> (seq, 1024).
-
-    Pre-norm: each sub-layer reads a normalised copy of the residual stream x and *adds* its result
-    to x, never normalising x itself, so information (and, in training, gradient) flows straight
-    from the embedding to the last layer.
-    """
+    """x (seq, 1024) -> (seq, 1024). Pre-norm: each sub-layer reads a normalised copy of the
+    residual stream x and *adds* its result to x, never normalising x itself, so information (and,
+    in training, gradient) flows straight from the embedding to the last layer."""
     eps = config.rms_norm_eps
     h = x + attention(rms_norm(x, layer["input_layernorm"], eps), layer, config, cache)
     return h + swiglu(rms_norm(h, layer["post_attention_layernorm"], eps), layer)
 
 
-# ------------------------------------------------------------------------------------------------
-# 9. Forward: embed -> 28 blocks -> final norm -> LM head
-# ------------------------------------------------------------------------------------------------
+# --- 9. Forward: embed -> 28 blocks -> final norm -> LM head --------------------------------------
 
 def forward(token_ids, weights, config, cache, last_only=True):
     """Logits for token_ids (seq,), which continue the sequence already in `cache` (one per layer):
@@ -469,34 +334,29 @@ def forward(token_ids, weights, config, cache, last_only=True):
     for layer, layer_cache in zip(weights["layers"], cache):
         x = transformer_block(x, layer, config, layer_cache)
     if last_only:  # generating needs only the next token: skip (seq-1) x 151936 dot products
-        x = x[-1:]  # (1, 1024): kept 2-D, as quantized_matmul needs a matrix (on CUDA)
+        x = x[-1:]  # (1, 1024)
     x = rms_norm(x, weights["norm"], config.rms_norm_eps)
     logits = linear(x, weights["lm_head"])  # (1 or seq, vocab): a score (logit) per token
     return logits[0] if last_only else logits
 
 
-# ------------------------------------------------------------------------------------------------
-# 10. Sample: pick the next token from the logits
-# ------------------------------------------------------------------------------------------------
+# --- 10. Sample: pick the next token from the logits ----------------------------------------------
 
 class Sampling(NamedTuple):
     temperature: float = 0.0  # 0 = greedy: always the most likely token
-    top_k: int = 0  # keep the k most likely tokens, and any tied with the k-th (0 = all) ...
-    top_p: float = 1.0  # ... then the fewest whose probabilities add up to >= top_p (nucleus) ...
-    min_p: float = 0.0  # ... then those at least min_p times as likely as the likeliest one
-    presence_penalty: float = 0.0  # subtracted from the logit of each token already in the reply
+    top_k: int = 0  # keep the k most likely tokens (0 = all) ...
+    top_p: float = 1.0  # ... then the fewest whose probabilities add up to >= top_p (nucleus)
     seed: int = 0  # the random stream, so that a run can be repeated
 
 
 def filter_logits(logits, sampling):
-    """Divide by the temperature, then set to -inf every token that top-k, top-p or min-p rules
-    out, in the order Hugging Face transformers applies them."""
+    """Divide by the temperature, then set to -inf every token that top-k or top-p rules out, in
+    the order Hugging Face transformers applies them."""
     logits = logits.astype(mx.float32) / sampling.temperature  # < 1 sharpens, > 1 flattens
-    top_k, top_p, min_p, n_vocab = sampling.top_k, sampling.top_p, sampling.min_p, len(logits)
+    top_k, top_p, n_vocab = sampling.top_k, sampling.top_p, len(logits)
     if 0 < top_k < n_vocab:
         candidates = mx.argpartition(-logits, top_k - 1)[:top_k]  # the k largest, unsorted
-        # The k-th largest logit is the bar, and every token tied with it stays, as in transformers:
-        # in bfloat16, equal logits around rank 20 are common.
+        # Everything below the k-th largest logit goes (ties with it stay, as in transformers).
         logits = mx.where(logits >= logits[candidates].min(), logits, -mx.inf)
     else:
         candidates = mx.arange(n_vocab)
@@ -504,120 +364,262 @@ def filter_logits(logits, sampling):
         # Walk down from the likeliest token: a token stays if those before it add up to less than
         # top_p (so the one crossing the threshold stays). Only the top-k candidates need sorting.
         order = candidates[mx.argsort(-logits[candidates])]  # token ids, likeliest first
-        # Probabilities over every token still in (ties at the top-k bar included), in that order.
         probs = mx.exp(logits[order] - mx.logsumexp(logits))
-        kept = mx.cumsum(probs) - probs < top_p  # the mass before each token; top_p > 0 keeps one
-        bar = mx.where(kept, logits[order], mx.inf).min()  # the least likely token that stays ...
-        # ... and every token tied with it (transformers cuts inside such a tie, depending on its
-        # sort order; keeping the whole tie does not depend on any order).
-        logits = mx.where(logits >= bar, logits, -mx.inf)
-    if min_p > 0:  # scales with the model's confidence: a strict cut when one token dominates
-        probs = mx.softmax(logits)
-        logits = mx.where(probs >= min_p * probs.max(), logits, -mx.inf)
+        kept = mx.cumsum(probs) - probs < top_p  # the mass before each token
+        kept[0] = True  # the likeliest always stays, as in transformers (top_p = 0 keeps it alone)
+        bar = mx.where(kept, logits[order], mx.inf).min()  # the least likely token that stays
+        logits = mx.where(logits >= bar, logits, -mx.inf)  # (a tie at the bar stays whole)
     return logits
 
 
-def sample(logits, sampling, key, in_reply=None):
+def sample(logits, sampling, key):
     """Temperature 0 is greedy (argmax). Otherwise draw from softmax(logits / temperature) over the
-    tokens filter_logits keeps. in_reply (vocab,) is 1 for each token already generated in this
-    reply: the presence penalty lowers their logits by a constant however often they occurred
-    (OpenAI's and vLLM's meaning), which counters the endless loops a small model can fall into."""
-    if sampling.presence_penalty:
-        logits = logits - sampling.presence_penalty * in_reply
+    tokens filter_logits keeps."""
     if sampling.temperature == 0:
         return mx.argmax(logits, axis=-1)
     return mx.random.categorical(filter_logits(logits, sampling), key=key)  # renormalises
 
 
-# ------------------------------------------------------------------------------------------------
-# 11. Generate: prefill the prompt once, then decode one token at a time
-# ------------------------------------------------------------------------------------------------
+# --- 11. Generate: prefill the prompt once, then decode one token at a time -----------------------
+#
+# The loop overlaps Python and the GPU. Written plainly, it would wait for token n (token.item()),
+# yield it, then build step n+1 while the GPU idles. Since MLX is lazy, step n+1 is instead built
+# on token n before that is computed, and queued (mx.async_eval); only then do we wait for token n.
 
-# A long prompt goes through in pieces of 1024 tokens: a piece's attention scores are
-# (heads, piece, total) rather than (heads, total, total), which bounds the memory of one pass at a
-# small cost in speed (README, Performance).
+def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(), cache=None,
+             pick=sample):
+    """Yield (token id, the model's logits it was picked from) until an id in eos_ids (yielded
+    too) or max_tokens. `cache` may already hold earlier tokens (a chat): prompt_ids continue
+    them. pick(logits, sampling, key) chooses each token: sample(), or section 16's, which lowers
+    some logits first (the logits yielded are the model's, before that)."""
+    cache = make_cache(config) if cache is None else cache
+    key = mx.random.key(sampling.seed)
+
+    def step(token_ids):  # one forward pass over token_ids (seq,) and the token picked after it
+        nonlocal key
+        logits = forward(token_ids, weights, config, cache)
+        key, pick_key = mx.random.split(key)
+        return pick(logits, sampling, pick_key), logits
+
+    # Prefill: the prompt's tokens are all known, so they go through each layer together (large,
+    # efficient matrix products), filling the cache and giving the first new token.
+    token, logits = step(mx.array(prompt_ids))
+    mx.async_eval(token)
+    # Decode: feed each new token back in, as a one-token sequence.
+    for n in range(max_tokens):
+        if n + 1 < max_tokens:
+            following = step(token[None])  # built on the token not yet computed
+            mx.async_eval(following[0])
+        token_id = token.item()  # waits for token n only
+        yield token_id, logits
+        if token_id in eos_ids or n + 1 == max_tokens:
+            return
+        token, logits = following
+
+
+# ================================================================================================
+# PART 2: GOING FURTHER (optional sections; each builds on Part 1 alone)
+# ================================================================================================
+
+# --- 12. Compilation: the same functions, fewer and fused kernels ---------------------------------
+#
+# Decoding one token of a small model runs hundreds of small operations, each far too small to keep
+# a GPU busy, so their fixed costs (Python recording the graph, one kernel launch each) limit the
+# speed, not the arithmetic. mx.compile traces a function once per input shape and dtype (and per
+# value of any Python number passed in), then replays the recorded graph as one call, with
+# element-wise steps fused into single kernels. Two functions keep their shapes at every decoding
+# step; the rest of attention does not, as the keys and values it reads grow by one position per
+# token.
+#
+# While tracing, arrays are placeholders: print(x.shape) inside a compiled function prints once per
+# trace, and print(x) fails; without compile_model() (--no-compile) every operation runs one by
+# one. A compiled function also keeps the FUSED_KERNELS it saw when it was traced.
+
+compiled_swiglu = mx.compile(swiglu)
+traced_queries_keys_values = mx.compile(queries_keys_values)
+
+
+def compiled_queries_keys_values(x, layer, config, offset):
+    # A new Python number means a new trace, and the offset is a new number at every token; as an
+    # array, its value is an input of the same trace.
+    return traced_queries_keys_values(x, layer, config, mx.array(offset))
+
+
+def compile_model():
+    """Use the compiled versions from now on: attention() and transformer_block() look the names
+    up in this module when they run. The command line calls this unless --no-compile."""
+    global queries_keys_values, swiglu
+    queries_keys_values, swiglu = compiled_queries_keys_values, compiled_swiglu
+
+
+# --- 13. Long prompts: prefill in pieces ----------------------------------------------------------
+#
+# A piece of 1024 tokens has attention scores of (heads, 1024, total) rather than (heads, total,
+# total) for the whole prompt at once: that bounds the memory of one pass, at a small cost in speed
+# (docs/performance.md).
 PREFILL_CHUNK = 1024
 
 
-def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(), cache=None,
-             use_cache=True):
-    """Yield (token id, the logits it was drawn from) until an id in eos_ids (yielded too) or
-    max_tokens. `cache` may already hold earlier tokens (a chat, section 13): prompt_ids then
-    continue them. use_cache=False recomputes the whole sequence at every step (an experiment,
-    without any earlier tokens)."""
+def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
+                  cache=None, pick=sample):
+    """generate() for a prompt of any length: all but its last piece first go through the model
+    piece by piece, filling the cache."""
     cache = make_cache(config) if cache is None else cache
-    key = mx.random.key(sampling.seed)
-    all_ids = mx.array(prompt_ids)  # the prompt; with use_cache=False, it grows by each new token
-    in_reply = mx.zeros(config.vocab_size)  # 1 for each token generated so far (presence penalty)
+    while len(prompt_ids) > PREFILL_CHUNK:
+        forward(mx.array(prompt_ids[:PREFILL_CHUNK]), weights, config, cache)
+        # Run this piece now, freeing its activations. Only the cache is asked for, so (MLX being
+        # lazy) the piece's logits are never computed.
+        mx.eval([(c.keys, c.values) for c in cache])
+        prompt_ids = prompt_ids[PREFILL_CHUNK:]
+    yield from generate(prompt_ids, weights, config, max_tokens, sampling, eos_ids, cache, pick)
 
-    def next_logits(new_ids):
-        nonlocal all_ids
-        if use_cache:  # only the new tokens go through the model; the cache holds the rest
-            return forward(new_ids, weights, config, cache)
-        all_ids = mx.concatenate([all_ids, new_ids])
-        return forward(all_ids, weights, config, make_cache(config))  # everything, every time
 
-    def next_token(logits):
-        nonlocal key, in_reply
-        key, sample_key = mx.random.split(key)
-        token = sample(logits, sampling, sample_key, in_reply)
-        if sampling.presence_penalty:
-            in_reply = in_reply.at[token].maximum(1.0)  # a copy with in_reply[token] = 1
+# --- 14. Without a KV cache: what the cache saves (--no-cache) ------------------------------------
+
+def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sampling(),
+                           eos_ids=(), pick=sample):
+    """generate() without a KV cache: every step runs the whole sequence so far through the model.
+    The same tokens and logits, and work per token that grows with the sequence."""
+    token_ids, key = list(prompt_ids), mx.random.key(sampling.seed)
+    for _ in range(max_tokens):
+        logits = forward(mx.array(token_ids), weights, config, make_cache(config))
+        key, pick_key = mx.random.split(key)  # the same keys, in the same order, as generate()
+        token_id = pick(logits, sampling, pick_key).item()
+        yield token_id, logits
+        if token_id in eos_ids:
+            return
+        token_ids.append(token_id)
+
+
+# --- 15. Quantization (--quantize 4 or 8): fewer bits per weight ----------------------------------
+#
+# Generating a token multiplies one vector by every weight matrix: each weight is read from memory
+# and used for a single multiply-add. Where reading memory limits decoding (larger models, and a
+# Mac's unified memory or a CPU), fewer bytes per weight mean more tokens per second: Qwen3-8B reads
+# 16.4 GB of bfloat16 weights per token, so 100 GB/s of memory caps it near 6 tokens a second; at
+# 4 bits, 4.6 GB, near 20. A small model on a fast GPU is limited by the fixed cost of each
+# operation instead (section 12): there quantizing saves memory, not time. Memory it always saves.
+#
+# Group-wise affine quantization (MLX's and mlx-lm's): each row of a matrix is cut into groups of
+# 64 consecutive weights. A group keeps one scale and one bias, in the weights' float type, and
+# 64 integers q from 0 to 2^bits - 1, chosen so that w ≈ scale * q + bias: 2^bits evenly spaced
+# levels covering the group's range, nudged so that 0 is exactly one of them. With 16-bit scales and
+# biases, a weight costs 4 + 2 x 16 / 64 = 4.5 bits at 4 bits instead of 16 (3.6x smaller; 8 bits:
+# 8.5, 1.9x smaller). The price is rounding: most weights move by at most half a level (the nudge,
+# and at 8 bits the 16-bit scales and biases, move some further), and every product moves with
+# them (docs/performance.md measures how much on a layer).
+#
+# The model reads quantized matrices as they are, in the two places of Part 1 that touch a matrix:
+# linear(), where mx.quantized_matmul unpacks each group inside the matrix product (the
+# full-precision matrix never exists in memory), and embed(), which unpacks only the rows it picks.
+
+GROUP_SIZE = 64  # weights sharing one scale and bias (mlx-lm's default)
+
+
+class Quantized(NamedTuple):  # a NamedTuple, so compiled functions (section 12) accept it
+    """A matrix (out, in), quantized in groups along each of its rows: w ≈ scale * q + bias."""
+    packed: mx.array  # (out, in * bits / 32) uint32: the integers q, packed bit after bit
+    scales: mx.array  # (out, in / group_size): one per group, in --dtype
+    biases: mx.array  # (out, in / group_size): each group's offset (not a layer's bias term)
+    group_size: int
+    bits: int  # 4 or 8 with --quantize; a stored checkpoint may use 2 to 6, or 8
+
+
+def quantize(weight, bits, dtype):
+    """A checkpoint matrix -> Quantized, as mlx_lm.convert does it: from the values as stored
+    (bfloat16), so the scales and biases are bfloat16 numbers, then held as `dtype` (float32 keeps
+    them exactly)."""
+    q, scales, biases = mx.quantize(weight, group_size=GROUP_SIZE, bits=bits)  # affine mode
+    return Quantized(q, scales.astype(dtype), biases.astype(dtype), GROUP_SIZE, bits)
+
+
+def quantized_linear(x, weight):
+    """linear() for a Quantized weight: x @ dequantized(weight).T, without the dequantized copy."""
+    return mx.quantized_matmul(x, weight.packed, weight.scales, weight.biases, transpose=True,
+                               group_size=weight.group_size, bits=weight.bits)
+
+
+def quantized_embed(token_ids, table):
+    """embed() for a Quantized table: unpack the rows picked, not the 151936-row table."""
+    return mx.dequantize(table.packed[token_ids], table.scales[token_ids],
+                         table.biases[token_ids], group_size=table.group_size, bits=table.bits)
+
+
+def stored_quantization(model_dir):
+    """How a checkpoint stored already quantized was made: config.json's "quantization" entry, as
+    mlx_lm.convert writes it (mlx-community's and Qwen's own "-MLX-4bit" models). Each quantized
+    matrix x.weight is then stored as three tensors: x.weight (the packed uint32), x.scales and
+    x.biases. Returns {"group_size": 64, "bits": 4, "mode": "affine"} plus, for the layers quantized
+    differently (mixed precision), their own settings by name; {} for a checkpoint in floats."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    return raw.get("quantization") or {}
+
+
+def take_tensor(tensors, name, dtype, bits, stored):
+    """Take tensor `name` out of the checkpoint's `tensors`: stored quantized, with its .scales and
+    .biases, it is used as it is; with bits (--quantize), a matrix is quantized now; otherwise it is
+    converted to `dtype`."""
+    weight = tensors.pop(name)
+    stem = name.removesuffix(".weight")
+    if f"{stem}.scales" in tensors:  # stored quantized: the integers are used as they are
+        how = stored.get(stem, stored)  # a layer may have settings of its own
+        return Quantized(weight, tensors.pop(f"{stem}.scales").astype(dtype),
+                         tensors.pop(f"{stem}.biases").astype(dtype), how["group_size"],
+                         how["bits"])
+    # Matrices whose rows split into whole groups (all of Qwen3's); mlx-lm leaves others as is.
+    if bits and weight.ndim == 2 and weight.shape[1] % GROUP_SIZE == 0:
+        return quantize(weight, bits, dtype)
+    return weight.astype(dtype)
+
+
+def load_quantized(model_dir, config, dtype, bits=None):
+    """load_weights() with every matrix quantized to `bits` as it is read, or read as it is from a
+    checkpoint stored quantized."""
+    stored = stored_quantization(model_dir)
+    return load_weights(model_dir, config, dtype,
+                        take=lambda tensors, name: take_tensor(tensors, name, dtype, bits, stored))
+
+
+# --- 16. More sampling controls: min-p and a presence penalty -------------------------------------
+#
+# Min-p keeps the tokens at least min_p times as likely as the likeliest one, after top-k and top-p
+# (transformers' order): a cut that scales with the model's confidence, strict when one token
+# dominates. The presence penalty lowers the logit of every token already in the reply by the same
+# amount, however often it occurred (OpenAI's and vLLM's meaning): against the endless loops a small
+# model can fall into. It needs to remember the reply's tokens, so it is a pick() for generate()
+# that keeps state; being built from MLX arrays, it works on tokens not yet computed.
+
+def filter_min_p(logits, min_p):
+    """Set to -inf the tokens less than min_p times as likely as the likeliest, in logits already
+    divided by the temperature and filtered by top-k and top-p (filter_logits)."""
+    probs = mx.softmax(logits)
+    return mx.where(probs >= min_p * probs.max(), logits, -mx.inf)
+
+
+def extra_sampling(min_p, presence_penalty, vocab_size):
+    """A pick(logits, sampling, key) for generate() with min-p and a presence penalty. It remembers
+    the tokens it picked: make a new one for each reply."""
+    in_reply = mx.zeros(vocab_size)  # 1 for each token picked so far
+
+    def pick(logits, sampling, key):
+        nonlocal in_reply
+        logits = logits - presence_penalty * in_reply
+        if sampling.temperature == 0 or min_p == 0:
+            token = sample(logits, sampling, key)
+        else:
+            logits = filter_min_p(filter_logits(logits, sampling), min_p)
+            token = mx.random.categorical(logits, key=key)
+        in_reply = in_reply.at[token].maximum(1.0)  # a copy with in_reply[token] = 1
         return token
 
-    # Prefill: the prompt's tokens are all known, so they go through each layer together (large,
-    # efficient matrix products), filling the cache and giving the first new token's logits.
-    prompt = all_ids
-    while use_cache and len(prompt) > PREFILL_CHUNK:
-        forward(prompt[:PREFILL_CHUNK], weights, config, cache)
-        # Run this piece now, freeing its activations. Only the cache is asked for, so (MLX being
-        # lazy) this piece's logits are never computed.
-        mx.eval([(c.keys, c.values) for c in cache])
-        prompt = prompt[PREFILL_CHUNK:]
-    logits = forward(prompt, weights, config, cache if use_cache else make_cache(config))
-    token = next_token(logits)
-    mx.async_eval(token)
-    # Decode: feed each new token back in. Since MLX is lazy, step n+1 is *built* from the not yet
-    # computed token n and queued (async_eval) before we wait for token n: the GPU never idles while
-    # Python prepares the next step.
-    for n in range(max_tokens):
-        if n + 1 < max_tokens:
-            following_logits = next_logits(token[None])  # (1,): a one-token sequence
-            following = next_token(following_logits)
-            mx.async_eval(following)
-        token_id = token.item()  # waits for step n only
-        yield token_id, logits
-        if token_id in eos_ids or n + 1 == max_tokens:  # a step queued after the end is dropped
-            return
-        token, logits = following, following_logits
+    return pick
 
 
-# ------------------------------------------------------------------------------------------------
-# 12. Compilation: the same functions, fewer and fused kernels
-# ------------------------------------------------------------------------------------------------
+# --- 17. Chat: one KV cache for a whole conversation ----------------------------------------------
 #
-# Decoding one token runs hundreds of small operations, each far too small to keep a GPU busy, so
-# their fixed costs (Python recording the graph, one kernel launch each) limit the speed, not the
-# arithmetic. mx.compile traces a function once per input shape and dtype (and per value of any
-# Python number passed in), then replays the recorded graph as one call, with element-wise steps
-# fused into single kernels. We compile the two functions whose shapes stay the same at every
-# decoding step; the rest of attention cannot be, as the keys and values it reads grow by one
-# position per token.
-#
-# While tracing, arrays are placeholders: print(x.shape) inside a compiled function prints once per
-# trace, and print(x) fails. --no-compile (mx.disable_compile()) runs every operation one by one.
-
-# Rebinding the names is enough: their callers look them up when they are called.
-queries_keys_values = mx.compile(queries_keys_values)
-swiglu = mx.compile(swiglu)
-
-
-# ------------------------------------------------------------------------------------------------
-# 13. Chat: one KV cache for a whole conversation
-# ------------------------------------------------------------------------------------------------
-#
-# At every turn, Qwen3's chat template (in tokenizer_config.json) renders the whole conversation
-# again, and the model reads all of it:
+# Qwen3 was trained on conversations in a chat format, each turn <|im_start|>role\n...<|im_end|>\n.
+# At every turn, its chat template (in tokenizer_config.json) renders the whole conversation again,
+# and the model reads all of it:
 #
 #   <|im_start|>system\n{system}<|im_end|>\n            (if there is one)
 #   <|im_start|>user\n{message}<|im_end|>\n
@@ -643,6 +645,19 @@ swiglu = mx.compile(swiglu)
 # Earlier replies enter the history as the token ids the model generated: tokenizing their text
 # again could give other ids for the same text (a different split into pieces), and the cache holds
 # the generated ones.
+
+def chat_prompt(user, system=None, think=True):
+    """Qwen3's chat format for one message, written out by hand.
+
+    The text ends by opening the assistant's turn, so the likeliest continuation is a reply. Qwen3
+    first "thinks" inside <think>...</think>; an empty think block (what Qwen's template writes for
+    enable_thinking=False) makes it answer directly. system="" writes an empty system turn; None
+    writes none. The tokenizer maps each marker such as <|im_start|> to one special id.
+    """
+    text = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
+    text += f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    return text if think else text + "<think>\n\n</think>\n\n"
+
 
 class Chat:
     """A conversation: its turns so far, and one KV cache that every turn reuses."""
@@ -678,7 +693,7 @@ class Chat:
             answer = answer[1:]
         return answer
 
-    def reply(self, message, max_tokens, sampling=Sampling(), eos_ids=()):
+    def reply(self, message, max_tokens, sampling=Sampling(), eos_ids=(), pick=sample):
         """Yield (token id, logits) of the reply to `message`, like generate(). The reply joins the
         history also when the caller stops early (then close() this generator), even if empty."""
         ids = self.prompt_ids(message)
@@ -693,8 +708,8 @@ class Chat:
             layer_cache.offset = self.reused  # the roll-back
         self.prefilled, reply = len(ids) - self.reused, []
         try:
-            for token_id, logits in generate(ids[self.reused:], self.weights, self.config,
-                                             max_tokens, sampling, eos_ids, self.cache):
+            for token_id, logits in generate_long(ids[self.reused:], self.weights, self.config,
+                                                  max_tokens, sampling, eos_ids, self.cache, pick):
                 if token_id not in eos_ids:  # the template closes each turn with <|im_end|>
                     reply.append(token_id)
                 yield token_id, logits
@@ -707,9 +722,28 @@ class Chat:
             self.cached_ids = (ids + reply)[:min(c.offset for c in self.cache)]
 
 
+# --- 18. The logit lens: what the model would say after each block --------------------------------
+#
+# Every block reads and adds to the same residual stream, and only the final norm and the LM head
+# turn it into logits. Applied early, to the stream after block 5, say, they show what the model
+# would say if it stopped there: with the real weights, watch in which block " Paris" takes the
+# lead. After the last block, the lens is the model's own output. --trace shows it at every block.
+
+def logit_lens(x, weights, config):
+    """The next-token logits (vocab,) read off the residual stream x (seq, 1024) at its last
+    position, as forward() reads them after the last block."""
+    return linear(rms_norm(x[-1:], weights["norm"], config.rms_norm_eps), weights["lm_head"])[0]
+
+
 # ================================================================================================
-# PART 2: THE PROGRAM AROUND IT
+# PART 3: THE PROGRAM AROUND IT
 # ================================================================================================
+
+import argparse  # the imports only the program needs
+import re
+import shutil
+import tempfile
+import time
 
 HF_REPO = "Qwen/Qwen3-0.6B"
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -722,9 +756,7 @@ class UserError(Exception):
     """A mistake a person can fix (bad flag, missing file, ...): one line, no traceback."""
 
 
-# ------------------------------------------------------------------------------------------------
-# Checking the model folder: everything Part 1's loaders assume, each failure one line
-# ------------------------------------------------------------------------------------------------
+# --- Checking the model folder: everything Part 1's loaders assume, each failure one line ---------
 
 def check_config(model_dir):
     path = Path(model_dir) / "config.json"
@@ -764,7 +796,7 @@ def check_config(model_dir):
 
 def check_quantization(path, raw):
     """A checkpoint stored quantized must be in MLX's format, with settings MLX's kernels take:
-    affine mode, 2 to 8 bits, groups of 32, 64 or 128 (what section 1b reads); else one line."""
+    affine mode, 2 to 8 bits, groups of 32, 64 or 128 (what section 15 reads); else one line."""
     quantization = raw.get("quantization")
     if quantization is None:
         other = raw.get("quantization_config")  # how transformers describes GPTQ, AWQ, FP8, ...
@@ -860,14 +892,14 @@ def check_weights(model_dir, config):
         header, start, size = read_header(path)
         found |= {name: (path, entry, start, size) for name, entry in header.items()}
     expected = weight_shapes(config)
-    if "lm_head.weight" in found:  # a tied checkpoint's extra head is loaded too (section 1)
+    if "lm_head.weight" in found:  # a tied checkpoint's extra head may be loaded (load_model)
         expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)
     floats = ("BF16", "F16", "F32")
     dtypes = dict.fromkeys(expected, floats)  # what each tensor may be stored as
     quantization = stored_quantization(model_dir)
     for name, (rows, columns) in [(n, s) for n, s in expected.items() if len(s) == 2]:
         stem = name.removesuffix(".weight")
-        if quantization and f"{stem}.scales" in found:  # stored quantized (section 1b)
+        if quantization and f"{stem}.scales" in found:  # stored quantized (section 15)
             how = quantization.get(stem, quantization)
             expected[name], dtypes[name] = (rows, columns * how["bits"] // 32), ("U32",)
             for part in ("scales", "biases"):
@@ -893,7 +925,7 @@ def check_weights(model_dir, config):
 
 
 def check_chat_template(model_dir):
-    """--chat writes Qwen3's hybrid-thinking format by hand (section 2). Qwen3-2507 Instruct (never
+    """--chat writes Qwen3's hybrid-thinking format by hand (section 17). Qwen3-2507 Instruct (never
     thinks) and Thinking (always thinks) were trained on other formats: their templates, unlike the
     hybrid one, have no enable_thinking switch. A folder without a template is given the benefit."""
     model_dir = Path(model_dir)
@@ -969,12 +1001,23 @@ def eos_token_ids(generation_config, tokenizer):
     return ids
 
 
+def use_stored_head(model_dir, weights, dtype, bits, stored):
+    """A checkpoint whose config ties the LM head to the embeddings may store lm_head.weight too:
+    a copy, dropped, or a different matrix, which transformers 5 uses, and so do we (mlx-lm drops
+    it). Compared as stored, before any conversion."""
+    tensors = load_tensors(model_dir)
+    head = tensors.get("lm_head.weight")
+    if head is not None and not mx.array_equal(head, tensors["model.embed_tokens.weight"]).item():
+        weights["lm_head"] = take_tensor(tensors, "lm_head.weight", dtype, bits, stored)
+        mx.eval(weights["lm_head"])
+
+
 def load_model(model_dir, dtype, bits=None):
     """Part 1's loaders, after checking what they assume; bits: --quantize.
     Returns (config, weights, tokenizer, generation config)."""
     check_config(model_dir)
     config = load_config(model_dir)
-    quantization = stored_quantization(model_dir)  # {} unless stored quantized (section 1b)
+    quantization = stored_quantization(model_dir)  # {} unless stored quantized (section 15)
     stored_bits = quantization.get("bits")
     if bits and stored_bits and bits != stored_bits:
         raise UserError(f"{model_dir} is already quantized to {stored_bits} bits; drop --quantize "
@@ -989,7 +1032,12 @@ def load_model(model_dir, dtype, bits=None):
         raise UserError(f"cannot load {path} ({e}); re-download it")
     generation_config = load_generation_config(model_dir)
     try:
-        weights = load_weights(model_dir, config, dtype, bits)
+        if bits or quantization:
+            weights = load_quantized(model_dir, config, dtype, bits)
+        else:
+            weights = load_weights(model_dir, config, dtype)
+        if config.tie_word_embeddings:
+            use_stored_head(model_dir, weights, dtype, bits, quantization)
     except (RuntimeError, ValueError, OSError) as e:  # e.g. a read error halfway through a file
         files = weight_files(model_dir)
         where = files[0] if len(files) == 1 else f"a shard in {model_dir}"
@@ -997,9 +1045,7 @@ def load_model(model_dir, dtype, bits=None):
     return config, weights, tokenizer, generation_config
 
 
-# ------------------------------------------------------------------------------------------------
-# Finding the model: a folder, or a Hugging Face repo id downloaded once into a folder
-# ------------------------------------------------------------------------------------------------
+# --- Finding the model: a folder, or a Hugging Face repo id downloaded once into a folder ---------
 
 def default_model_dir():
     """./Qwen3-0.6B when present, otherwise the Qwen3-0.6B folder next to this script."""
@@ -1106,9 +1152,7 @@ def find_model(model_arg, allow_download):
     return model_dir
 
 
-# ------------------------------------------------------------------------------------------------
-# Experiments: --top-probs and --trace
-# ------------------------------------------------------------------------------------------------
+# --- Experiments: --top-probs and --trace ---------------------------------------------------------
 
 def print_top_probs(logits, tokenizer, n):
     """A table of the n likeliest next tokens and their probabilities (" Paris" first)."""
@@ -1144,9 +1188,10 @@ def trace(prompt_ids, weights, config, tokenizer):
     Part 1 is untouched: for this one pass, the functions forward() calls are replaced, in this
     module's namespace where it looks them up, by wrappers that print each call's shapes. Block 0
     is shown call by call (a call prints when it returns, so a function's inner calls come before
-    it), then every block by the size (RMS) of the residual stream it leaves. It
-    works with compilation on: a compiled function calls the wrappers while MLX traces it, when
-    shapes are known (values are not, so RMS is printed only between blocks, outside compiled code).
+    it), then every block by the size (RMS) of the residual stream it leaves and its logit lens
+    (section 18): the likeliest next token if the model stopped there. It works with compilation
+    on: a compiled function calls the wrappers while MLX traces it, when shapes are known (values
+    are not, so RMS and the lens are printed only between blocks, outside compiled code).
     """
     log = lambda text: print(text, file=sys.stderr)
     replaced = {name: globals()[name] for name in TRACED_STEPS if name != "cache.update_and_fetch"}
@@ -1170,12 +1215,18 @@ def trace(prompt_ids, weights, config, tokenizer):
             log("block 0, call by call:")
         out = replaced["transformer_block"](x, layer, config, cache)
         rms = mx.sqrt(mx.mean(out.astype(mx.float32) ** 2)).item()  # runs the block now
-        log(f"block {block:>2} done: residual stream {shape(out)}, RMS {rms:.3f}")
+        probs = mx.softmax(logit_lens(out, weights, config).astype(mx.float32))
+        top = mx.argmax(probs).item()
+        log(f"block {block:>2} done: residual stream {shape(out)}, RMS {rms:.3f}, lens: "
+            f"{piece(top)!r} {probs[top].item():.3f}")
         block += 1
         return out
 
-    pieces = " ".join(repr(tokenizer.decode([i])) for i in prompt_ids)
+    piece = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+    pieces = " ".join(repr(piece(i)) for i in prompt_ids)
     log(f"tokens: {len(prompt_ids)} ids {prompt_ids}\n        {pieces}")
+    log("after each block: the residual stream's size (RMS) and its logit lens, the likeliest next "
+        "token if the model stopped there")
     globals().update({name: wrap(name, f) for name, f in replaced.items()})
     globals()["transformer_block"] = traced_block
     KVCache.update_and_fetch = wrap("cache.update_and_fetch", update)
@@ -1189,9 +1240,7 @@ def trace(prompt_ids, weights, config, tokenizer):
     print_top_probs(logits, tokenizer, 5)
 
 
-# ------------------------------------------------------------------------------------------------
-# The command line: python llm_inference.py --prompt "..." [flags]
-# ------------------------------------------------------------------------------------------------
+# --- The command line: python llm_inference.py --prompt "..." [flags] -----------------------------
 
 DEFAULT_PROMPT = "The capital of France is"
 CHAT_MAX_TOKENS = 8192  # enough for Qwen3 to finish thinking on most questions (README, Chat)
@@ -1203,10 +1252,12 @@ def device_name():
     return "gpu (Metal)" if mx.metal.is_available() else "gpu (CUDA)"
 
 
-# OpenBLAS, the lines at the top of the file. MLX's Linux CPU wheel (the mlx-cpu package, unpacked
+# --- OpenBLAS: the lines before `import mlx.core` at the top of the file --------------------------
+#
+# MLX's Linux CPU wheel (the mlx-cpu package, unpacked
 # next to mlx/ with its libraries in mlx_cpu.libs/) does float32 matrix products by calling
 # cblas_sgemm from a bundled reference BLAS: plain loops, fine for decoding's one-token products
-# but many times slower than OpenBLAS on a whole prompt (README, Platforms). A library opened with
+# but many times slower than OpenBLAS on a whole prompt (docs/platforms.md). A library opened with
 # RTLD_GLOBAL before MLX loads comes first when the dynamic linker resolves MLX's symbols, so
 # loading OpenBLAS that way sends those calls to it; loaded after MLX it is never used. macOS and
 # the CUDA wheel do matrix products on the GPU: there the lines load nothing.
@@ -1216,7 +1267,7 @@ OPENBLAS_HINT = ("Hint: this CPU runs float32 faster with OpenBLAS, which this s
 
 def pick_dtype(name):
     """'auto' = bfloat16 on a GPU; float32 on the CPU, where MLX runs bfloat16 products through
-    its own slower loops, with or without OpenBLAS (README, Platforms)."""
+    its own slower loops, with or without OpenBLAS (docs/platforms.md)."""
     if name == "auto":
         return mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     return getattr(mx, name)
@@ -1338,10 +1389,10 @@ TRANSFORMERS_DEFAULTS = {"top_p": 1.0, "top_k": 50, "min_p": 0.0}
 
 
 def sampling_settings(args, generation_config):
-    """Explicit flags win. --chat then takes Qwen's recommendations: generation_config.json's
-    values in thinking mode, the model card's for --no-think. Plain completion is greedy unless
-    --temperature is given; its top-k/top-p/min-p then come from generation_config.json, as in
-    transformers."""
+    """(Sampling, min_p, presence penalty). Explicit flags win. --chat then takes Qwen's
+    recommendations: generation_config.json's values in thinking mode, the model card's for
+    --no-think. Plain completion is greedy unless --temperature is given; its top-k/top-p/min-p
+    then come from generation_config.json, as in transformers."""
     if args.chat and args.no_think:
         recommended = QWEN3_NO_THINK
     elif args.chat:
@@ -1350,25 +1401,31 @@ def sampling_settings(args, generation_config):
         recommended = TRANSFORMERS_DEFAULTS | generation_config | {"temperature": 0.0}
     given = lambda flag, name: flag if flag is not None else recommended[name]
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    return Sampling(temperature=float(given(args.temperature, "temperature")),
-                    top_k=int(given(args.top_k, "top_k")), top_p=float(given(args.top_p, "top_p")),
-                    min_p=float(given(args.min_p, "min_p")),
-                    presence_penalty=args.presence_penalty or 0.0, seed=seed)
+    sampling = Sampling(temperature=float(given(args.temperature, "temperature")),
+                        top_k=int(given(args.top_k, "top_k")),
+                        top_p=float(given(args.top_p, "top_p")), seed=seed)
+    return sampling, float(given(args.min_p, "min_p")), args.presence_penalty or 0.0
 
 
-def describe(sampling):
-    """The sampling settings in the order sample() applies them."""
+def picker(min_p, presence_penalty, config):
+    """A function that makes generate()'s pick for one reply: Part 1's sample(), or, with min-p
+    or a presence penalty, section 16's (a new one per reply, as it remembers the reply)."""
+    if min_p or presence_penalty:
+        return lambda: extra_sampling(min_p, presence_penalty, config.vocab_size)
+    return lambda: sample
+
+
+def describe(sampling, min_p, presence_penalty):
+    """The sampling settings in the order they apply."""
     s = sampling
-    how = f"presence penalty {s.presence_penalty}, " if s.presence_penalty else ""
+    how = f"presence penalty {presence_penalty}, " if presence_penalty else ""
     if s.temperature == 0:
         return how + "greedy"
     how += f"temperature {s.temperature}, top-k {s.top_k or 'off'}, top-p {s.top_p}"
-    return how + (f", min-p {s.min_p}" if s.min_p else "") + f", seed {s.seed}"
+    return how + (f", min-p {min_p}" if min_p else "") + f", seed {s.seed}"
 
 
-# ------------------------------------------------------------------------------------------------
-# Showing a reply, and the chat loop
-# ------------------------------------------------------------------------------------------------
+# --- Showing a reply, and the chat loop -----------------------------------------------------------
 
 class ReplyPrinter:
     """Writes a reply to stdout as its tokens arrive. On a terminal, Qwen3's <think>...</think>
@@ -1488,9 +1545,9 @@ def stream(tokens, printer, on_first_logits=None):
     return interrupted, first - start, end - first
 
 
-def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think):
+def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_pick=lambda: sample):
     """Talk until end of input, Ctrl-D or /exit. Each line is one message; its reply goes to
-    stdout, everything else to stderr."""
+    stdout, everything else to stderr. new_pick() gives each reply its pick (see picker())."""
     interactive = sys.stdin.isatty()
     if interactive:
         try:
@@ -1519,7 +1576,7 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think):
             continue
         n_turns, printer = len(chat.turns), ReplyPrinter(chat.tokenizer, hide_think)
         interrupted, prefill_s, decode_s = stream(
-            chat.reply(message, max_tokens, sampling, eos_ids), printer)
+            chat.reply(message, max_tokens, sampling, eos_ids, new_pick()), printer)
         if len(chat.turns) == n_turns:  # Ctrl-C before the reply began: nothing happened
             print("Interrupted.", file=sys.stderr)
             continue
@@ -1556,12 +1613,14 @@ def main(argv=None):
     config, weights, tokenizer, generation_config = load_model(model_dir, dtype, args.quantize)
     bits = args.quantize or stored_quantization(model_dir).get("bits")
     eos_ids = eos_token_ids(generation_config, tokenizer)
-    sampling = sampling_settings(args, generation_config)
+    sampling, min_p, presence_penalty = sampling_settings(args, generation_config)
+    new_pick = picker(min_p, presence_penalty, config)
+    how = describe(sampling, min_p, presence_penalty)
     context = config.max_position_embeddings
     max_tokens = args.max_tokens or (min(CHAT_MAX_TOKENS, context // 2) if args.chat else 100)
     FUSED_KERNELS = not args.reference_ops  # set once, before anything runs or is compiled
-    if args.no_compile:
-        mx.disable_compile()
+    if not args.no_compile:
+        compile_model()
 
     if not multi_turn:
         text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
@@ -1582,13 +1641,13 @@ def main(argv=None):
         print("Note: config.json ties the LM head to the embeddings, but the checkpoint stores a "
               "different lm_head.weight; using it, as transformers does", file=sys.stderr)
     if multi_turn:
-        print(f"Chat: {describe(sampling)}, up to {max_tokens} tokens per reply. /reset starts "
+        print(f"Chat: {how}, up to {max_tokens} tokens per reply. /reset starts "
               "over; /exit or Ctrl-D ends; Ctrl-C stops a reply.", file=sys.stderr)
         chat = Chat(weights, config, tokenizer, system, think=not args.no_think)
-        chat_loop(chat, max_tokens, sampling, eos_ids, args.hide_think)
+        chat_loop(chat, max_tokens, sampling, eos_ids, args.hide_think, new_pick)
         return 0
 
-    print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {describe(sampling)}", file=sys.stderr)
+    print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {how}", file=sys.stderr)
     if args.trace:
         trace(prompt_ids, weights, config, tokenizer)
         return 0
@@ -1596,9 +1655,9 @@ def main(argv=None):
     printer = ReplyPrinter(tokenizer, args.hide_think)
     top_probs = args.top_probs and (lambda logits: print_top_probs(logits, tokenizer,
                                                                    args.top_probs))
-    interrupted, prefill_s, decode_s = stream(
-        generate(prompt_ids, weights, config, max_tokens, sampling, eos_ids,
-                 use_cache=not args.no_cache), printer, top_probs)
+    run = generate_without_cache if args.no_cache else generate_long
+    tokens = run(prompt_ids, weights, config, max_tokens, sampling, eos_ids, pick=new_pick())
+    interrupted, prefill_s, decode_s = stream(tokens, printer, top_probs)
     n_generated = printer.n_tokens
     prefill_rate = len(prompt_ids) / prefill_s if n_generated else 0.0
     decode_rate = (n_generated - 1) / decode_s if n_generated > 1 else 0.0

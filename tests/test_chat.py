@@ -192,8 +192,9 @@ def kept_by_transformers(logits, temperature, top_k=0, top_p=1.0, min_p=0.0):
     return set(torch.nonzero(torch.isfinite(scores[0])).flatten().tolist())
 
 
-def kept_by_us(logits, **sampling):
-    filtered = np.array(li.filter_logits(logits, li.Sampling(**sampling)))
+def kept_by_us(logits, min_p=0.0, **sampling):
+    filtered = li.filter_logits(logits, li.Sampling(**sampling))
+    filtered = np.array(li.filter_min_p(filtered, min_p) if min_p else filtered)
     return set(np.nonzero(np.isfinite(filtered))[0].tolist())
 
 
@@ -242,12 +243,13 @@ def test_top_p_keeps_tokens_tied_with_the_last_one_kept():
     assert kept_by_us(logits, temperature=1.0, top_p=0.5) == {0, 1, 2}
 
 
-def test_presence_penalty_lowers_each_generated_token_once():
+def test_presence_penalty_lowers_each_picked_token_once():
     logits = mx.array([2.0, 1.5, 1.0, 0.0])
-    sampling = li.Sampling(presence_penalty=0.8)
-    in_reply = mx.array([1.0, 0.0, 0.0, 0.0])
-    assert li.sample(logits, sampling, mx.random.key(0), in_reply).item() == 1  # 2.0 - 0.8 < 1.5
-    assert li.sample(logits, sampling, mx.random.key(0), mx.zeros(4)).item() == 0
+    pick = li.extra_sampling(0.0, 0.8, 4)  # greedy, remembering what it picked
+    picked = [pick(logits, li.Sampling(), mx.random.key(0)).item() for _ in range(4)]
+    # 2.0 - 0.8 < 1.5, then 1.5 - 0.8 < 1.2, then both penalised once, however often picked.
+    assert picked == [0, 1, 0, 0]
+    assert li.extra_sampling(0.0, 0.8, 4)(logits, li.Sampling(), mx.random.key(0)).item() == 0
 
 
 def test_generate_applies_the_presence_penalty_to_the_reply_so_far(model):
@@ -255,8 +257,8 @@ def test_generate_applies_the_presence_penalty_to_the_reply_so_far(model):
     _, config, weights, tokenizer = model
     prompt = tokenizer.encode("The capital of France is").ids
     penalty = 2.0
-    sampling = li.Sampling(presence_penalty=penalty)
-    got = [t for t, _ in li.generate(prompt, weights, config, 16, sampling)]
+    pick = li.extra_sampling(0.0, penalty, config.vocab_size)
+    got = [t for t, _ in li.generate(prompt, weights, config, 16, pick=pick)]
     expected, seen = [], np.zeros(config.vocab_size, np.float32)
     for _ in range(16):
         logits = np.array(from_scratch(model, prompt + expected)) - penalty * seen

@@ -286,8 +286,9 @@ def test_presence_penalty_reaches_the_sampler(tiny_model, reference, tmp_path):
                            "--presence-penalty", "2", cwd=tmp_path)
     assert rc == 0, err
     assert stderr_lines(err)[1].endswith("presence penalty 2.0, greedy")
+    pick = li.extra_sampling(0.0, 2.0, reference.config.vocab_size)
     ids = [t for t, _ in li.generate(reference.ids("Hi"), reference.weights, reference.config, 16,
-                                     li.Sampling(presence_penalty=2.0), reference.eos_ids)]
+                                     li.Sampling(), reference.eos_ids, pick=pick)]
     assert out == reference.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd") + "\n"
     assert out != reference.text("Hi", 16) + "\n"  # the penalty changed the reply
 

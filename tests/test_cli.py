@@ -114,7 +114,7 @@ class Reference:
         self.folder = folder
         self.config = li.load_config(folder)
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        self.weights = li.load_weights(folder, self.config, dtype, bits)
+        self.weights = li.load_model(folder, dtype, bits)[1]
         self.eos_ids = li.eos_token_ids(li.load_generation_config(folder), self.tokenizer)
 
     def ids(self, text):

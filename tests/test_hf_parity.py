@@ -94,7 +94,7 @@ def case(request, tmp_path_factory):
     hf.generation_config.pad_token_id = 0
 
     config = li.load_config(folder)
-    weights = li.load_weights(folder, config, mx.float32)
+    weights = li.load_model(folder, mx.float32)[1]  # with the checks, and a tied but stored head
     assert (weights["lm_head"] is not weights["embed_tokens"]) == separate_head
     tokenizer = li.load_tokenizer(folder)
     prompts = {name: tokenizer.encode(text).ids for name, text in PROMPTS.items()}

@@ -119,8 +119,9 @@ def test_chunked_prefill_gives_the_same_tokens(checkpoint, monkeypatch):
     folder, config, weights, _ = checkpoint
     prompt = mx.random.randint(0, config.vocab_size, (50,), key=mx.random.key(6)).tolist()
     whole = tokens(li.generate(prompt, weights, config, max_tokens=10))
+    assert tokens(li.generate_long(prompt, weights, config, max_tokens=10)) == whole  # one piece
     monkeypatch.setattr(li, "PREFILL_CHUNK", 16)  # 50 = 16 + 16 + 16 + 2
-    assert tokens(li.generate(prompt, weights, config, max_tokens=10)) == whole
+    assert tokens(li.generate_long(prompt, weights, config, max_tokens=10)) == whole
 
 
 def test_generate_stops_at_end_of_sequence(checkpoint):
@@ -203,7 +204,7 @@ def test_without_the_cache_the_tokens_and_logits_are_the_same(checkpoint):
     folder, config, weights, tokenizer = checkpoint
     ids = tokenizer.encode(PROMPT).ids
     cached = list(li.generate(ids, weights, config, max_tokens=12))
-    recomputed = list(li.generate(ids, weights, config, max_tokens=12, use_cache=False))
+    recomputed = list(li.generate_without_cache(ids, weights, config, max_tokens=12))
     assert [t for t, _ in recomputed] == [t for t, _ in cached]
     for (_, a), (_, b) in zip(cached, recomputed):
         assert float(mx.abs(a - b).max()) < 1e-4

@@ -48,7 +48,7 @@ def relative_error(approximate, exact):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_each_quantized_product_is_dequantize_then_matmul(folder, bits):
     config = li.load_config(folder)
-    weights = li.load_weights(folder, config, mx.float32, bits=bits)
+    weights = li.load_quantized(folder, config, mx.float32, bits)
     stored = mx.load(str(folder / "model.safetensors"))
     x = mx.random.normal((3, config.hidden_size), key=mx.random.key(0))
     for i, layer in enumerate(weights["layers"]):
@@ -83,7 +83,7 @@ def test_quantize_at_load_equals_mlx_lm_convert(folder, converted):
     theirs = mx.load(str(out / "model.safetensors"))
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == bits
     for dtype in (mx.bfloat16, mx.float32):  # the checkpoint's dtype, and float32 activations
-        ours = li.load_weights(folder, config, dtype, bits=bits)
+        ours = li.load_quantized(folder, config, dtype, bits)
         named = {"model.embed_tokens": ours["embed_tokens"], "model.norm": ours["norm"]}
         if not config.tie_word_embeddings:
             named["lm_head"] = ours["lm_head"]
@@ -115,7 +115,7 @@ def test_converted_folder_loads_as_quantized_at_load(folder, converted, dtype):
     bits, out = converted
     config = li.load_config(out)
     assert config == li.load_config(folder)
-    direct, at_load = li.load_weights(out, config, dtype), li.load_weights(folder, config, dtype, bits)
+    direct, at_load = li.load_quantized(out, config, dtype), li.load_quantized(folder, config, dtype, bits)
     assert isinstance(direct["embed_tokens"], li.Quantized)
     assert (direct["lm_head"] is direct["embed_tokens"]) == config.tie_word_embeddings
     for key in ("embed_tokens", "norm", "lm_head"):
@@ -131,9 +131,9 @@ def test_quantized_model_matches_mlx_lm_on_the_converted_folder(folder, converte
     bits, out = converted
     config = li.load_config(folder)
     if source == "at load":  # --quantize on the original checkpoint
-        weights = li.load_weights(folder, config, mx.float32, bits=bits)
+        weights = li.load_quantized(folder, config, mx.float32, bits)
     else:  # the converted folder, read as it is
-        weights = li.load_weights(out, config, mx.float32)
+        weights = li.load_quantized(out, config, mx.float32)
     model, tokenizer = mlx_lm_load(str(out))
     model.set_dtype(mx.float32)  # scales, biases and norms; the packed integers stay uint32
     ids = tokenizer.encode(PROMPT)
@@ -151,7 +151,7 @@ def test_quantized_model_matches_mlx_lm_on_the_converted_folder(folder, converte
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 def test_memory_check_counts_the_quantized_bytes(folder, bits, dtype):
     config = li.load_config(folder)
-    weights = li.load_weights(folder, config, dtype, bits)
+    weights = li.load_quantized(folder, config, dtype, bits)
     loaded = {id(w): w for w in [weights["embed_tokens"], weights["norm"], weights["lm_head"],
                                  *(w for layer in weights["layers"] for w in layer.values())]}
     arrays = [a for w in loaded.values() for a in (w[:3] if isinstance(w, li.Quantized) else [w])]
