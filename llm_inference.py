@@ -496,8 +496,8 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
 # Generating a token multiplies one vector by every weight matrix: each weight is read from memory
 # and used for a single multiply-add. Where reading memory limits decoding (larger models, and a
 # Mac's unified memory or a CPU), fewer bytes per weight mean more tokens per second: Qwen3-8B reads
-# 16.4 GB of bfloat16 weights per token, so 100 GB/s of memory caps it near 6 tokens a second; at
-# 4 bits, 4.6 GB, near 20. A small model on a fast GPU is limited by the fixed cost of each
+# about 15 GB of bfloat16 weights per token, so 100 GB/s of memory caps it near 7 tokens a second;
+# at 4 bits, about 4.3 GB, near 23. A small model on a fast GPU is limited by the fixed cost of each
 # operation instead (section 12): there quantizing saves memory, not time. Memory it always saves.
 #
 # Group-wise affine quantization (MLX's and mlx-lm's): each row of a matrix is cut into groups of
@@ -1214,12 +1214,12 @@ def trace(prompt_ids, weights, config, tokenizer):
         if block == 0:
             log("block 0, call by call:")
         out = replaced["transformer_block"](x, layer, config, cache)
+        block += 1  # before the lens, whose own calls are not part of block 0's narration
         rms = mx.sqrt(mx.mean(out.astype(mx.float32) ** 2)).item()  # runs the block now
         probs = mx.softmax(logit_lens(out, weights, config).astype(mx.float32))
         top = mx.argmax(probs).item()
-        log(f"block {block:>2} done: residual stream {shape(out)}, RMS {rms:.3f}, lens: "
+        log(f"block {block - 1:>2} done: residual stream {shape(out)}, RMS {rms:.3f}, lens: "
             f"{piece(top)!r} {probs[top].item():.3f}")
-        block += 1
         return out
 
     piece = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)

@@ -47,7 +47,7 @@ def test_openblas_is_loaded_exactly_when_installed_and_not_switched_off(tmp_path
     assert state["cpu_wheel"] == CPU_WHEEL
     assert state["flag"] == expected
     assert bool(state["mapped"]) == expected, state["mapped"]
-    # On the CPU float32 is the faster dtype with either BLAS (README, Platforms): auto does not change.
+    # On the CPU float32 is the faster dtype with either BLAS (docs/platforms.md): auto does not change.
     assert state["auto"] == ("mlx.core.float32" if CPU_WHEEL else "mlx.core.bfloat16")
 
 
