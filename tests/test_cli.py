@@ -9,6 +9,7 @@ The model is a tiny random-weight Qwen3 (tests/checkpoint.py: 2 layers, real 151
 real Qwen tokenizer), built once per session; bad-input cases copy it and break one thing.
 """
 
+import ast
 import hashlib
 import http.server
 import json
@@ -312,11 +313,23 @@ def test_trace_narrates_one_forward_pass(tiny_model, reference, tmp_path, flags)
     assert steps[10] == "swiglu"
     attend = next(line for line in lines if line.startswith("  attend"))
     assert f"-> ({c.num_attention_heads}, 5, {c.head_dim}) float32" in attend
-    done = [line for line in lines if re.match(r"block +\d+ done: residual stream \(5, 64\) float32, RMS [\d.]+$", line)]
-    assert len(done) == c.num_hidden_layers
-    # The top-5 table ends the trace, headed by greedy's first token.
+    done = [re.match(r"block +\d+ done: residual stream \(5, 64\) float32, RMS [\d.]+, lens: (.+) ([\d.]+)$",
+                     line) for line in lines if line.startswith("block ") and " done: " in line]
+    assert len(done) == c.num_hidden_layers and all(done), done
+    # The top-5 table ends the trace, headed by greedy's first token, which the last block's lens shows.
     table = lines[lines.index("rank  token                 id  probability") + 1:]
-    assert len(table) == 5 and int(table[0].split()[-2]) == reference.generate(PROMPT, 1)[0]
+    first = reference.generate(PROMPT, 1)[0]
+    assert len(table) == 5 and int(table[0].split()[-2]) == first
+    lens_token, lens_probability = done[-1].groups()
+    assert ast.literal_eval(lens_token) == reference.tokenizer.decode([first])
+    assert float(lens_probability) == pytest.approx(float(table[0].split()[-1]), abs=1e-3)
+
+
+def test_trace_shows_special_tokens_as_they_are(tiny_model, tmp_path):
+    rc, out, err = run_cli("--model", tiny_model, "--chat", "--prompt", "Hi", "--trace", cwd=tmp_path)
+    assert rc == 0, err
+    pieces = err.splitlines()[err.splitlines().index(next(l for l in err.splitlines() if l.startswith("tokens:"))) + 1]
+    assert pieces.split()[:3] == ["'<|im_start|>'", "'user'", "'\\n'"], pieces
 
 
 def test_prompt_argument_not_utf8_fails_before_loading(tmp_path):

@@ -66,6 +66,7 @@ class Case:
     prompts: dict  # name -> token ids
     hf_logits: dict  # prompt name -> (seq, vocab) float32 numpy, HF's logits at every position
     hf_greedy: dict  # prompt name -> list of N_NEW ids
+    hf_lens: list  # per block, HF's hidden state at the last position of "short" -> norm -> LM head
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS), ids=list(CHECKPOINTS))
@@ -99,6 +100,11 @@ def case(request, tmp_path_factory):
     tokenizer = li.load_tokenizer(folder)
     prompts = {name: tokenizer.encode(text).ids for name, text in PROMPTS.items()}
 
+    # The logit lens by hand on HF's hidden states: hidden_states[i + 1] is block i's output, except
+    # the last, which HF returns already normalised (so its lens is the model's logits).
+    states = hf(torch.tensor([prompts["short"]]), output_hidden_states=True).hidden_states
+    hf_lens = [hf.lm_head(hf.model.norm(h[0, -1:]))[0].numpy() for h in states[1:-1]]
+    hf_lens.append(hf(torch.tensor([prompts["short"]])).logits[0, -1].numpy())
     hf_logits, hf_greedy = {}, {}
     for name, ids in prompts.items():
         input_ids = torch.tensor([ids])
@@ -107,7 +113,7 @@ def case(request, tmp_path_factory):
                           max_new_tokens=N_NEW, eos_token_id=None, pad_token_id=0)
         hf_greedy[name] = out[0, len(ids):].tolist()
         assert len(hf_greedy[name]) == N_NEW
-    return Case(request.param, config, weights, prompts, hf_logits, hf_greedy)
+    return Case(request.param, config, weights, prompts, hf_logits, hf_greedy, hf_lens)
 
 
 def max_diff(ours, ref):
@@ -172,3 +178,22 @@ def test_greedy_generation_matches_hf(case, prompt, fused):
         ours = [t for t, _ in li.generate(case.prompts[prompt], case.weights, case.config, N_NEW, eos_ids=())]
     assert ours == case.hf_greedy[prompt]
     assert len(set(ours)) >= MIN_DISTINCT
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["not compiled", "compiled"])
+def test_logit_lens_after_each_block_matches_hf(case, compiled, monkeypatch):
+    """--trace's lens: the final norm and LM head applied to the residual stream after each block.
+    After the last block it is the model's own next-token logits."""
+    if compiled:  # compile_model() rebinds two module names; monkeypatch puts them back afterwards
+        monkeypatch.setattr(li, "queries_keys_values", li.queries_keys_values)
+        monkeypatch.setattr(li, "swiglu", li.swiglu)
+        li.compile_model()
+        assert li.swiglu is li.compiled_swiglu
+    ids = mx.array(case.prompts["short"])
+    x, cache = li.embed(ids, case.weights["embed_tokens"]), li.make_cache(case.config)
+    for i, (layer, layer_cache) in enumerate(zip(case.weights["layers"], cache)):
+        x = li.transformer_block(x, layer, case.config, layer_cache)
+        diff = max_diff(li.logit_lens(x, case.weights, case.config), case.hf_lens[i])
+        assert diff <= TOL, f"block {i}: {diff:.2e}"
+    last = li.forward(ids, case.weights, case.config, li.make_cache(case.config))
+    assert mx.array_equal(li.logit_lens(x, case.weights, case.config), last)
