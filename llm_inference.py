@@ -248,13 +248,14 @@ class KVCache:
     def update_and_fetch(self, k, v):
         """Store k, v (8, seq, 128) at positions offset, offset+1, ...; return all so far."""
         end = self.offset + k.shape[1]
-        if self.keys is None or end > self.keys.shape[1]:  # full: move to a larger array
-            shape = (k.shape[0], math.ceil(end / self.GROWTH) * self.GROWTH, k.shape[2])
-            keys, values = mx.zeros(shape, k.dtype), mx.zeros(shape, v.dtype)
-            if self.keys is not None:
-                keys[:, : self.offset] = self.keys[:, : self.offset]
-                values[:, : self.offset] = self.values[:, : self.offset]
-            self.keys, self.values = keys, values
+        capacity = 0 if self.keys is None else self.keys.shape[1]
+        if end > capacity:  # full: add room for a whole number of GROWTH positions
+            room = (k.shape[0], math.ceil((end - capacity) / self.GROWTH) * self.GROWTH, k.shape[2])
+            if self.keys is None:  # two arrays, not one shared: the writes below are in place
+                self.keys, self.values = mx.zeros(room, k.dtype), mx.zeros(room, v.dtype)
+            else:
+                self.keys = mx.concatenate([self.keys, mx.zeros(room, k.dtype)], axis=1)
+                self.values = mx.concatenate([self.values, mx.zeros(room, v.dtype)], axis=1)
         self.keys[:, self.offset : end] = k
         self.values[:, self.offset : end] = v
         self.offset = end
