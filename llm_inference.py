@@ -6,7 +6,7 @@ it: checking and downloading the model, the command line, the chat loop.
 
     "The capital of France is"
       1. load       config.json, model.safetensors, tokenizer.json
-      2. tokenize   -> [785, 6722, 315, 9625, 374]
+      2. tokenize   -> [785, 6722, 315, 9625, 374], and back: [12095] -> " Paris"
       3. embed      -> one 1024-number vector per token                     (seq, 1024)
       4. RMSNorm  \
       5. RoPE      | the parts of a transformer block
@@ -14,12 +14,11 @@ it: checking and downloading the model, the command line, the chat loop.
       7. SwiGLU   /
       8. block      x + attention(RMSNorm(x)), then + SwiGLU(RMSNorm(...)), 28 times
       9. forward    embed -> 28 blocks -> final RMSNorm -> LM head          (151936,) logits
-      10. sample    -> " Paris"
-      11. generate  feed " Paris" back in, repeat until <|im_end|>
+      10. sample    -> 12095, the id of " Paris"
+      11. generate  feed it back in, repeat until an end-of-sequence token
 
-Shapes are written without a batch axis (one sequence at a time), with Qwen3-0.6B's sizes.
-
-MLX is lazy: `y = x @ w` only records the operation in a graph; the arithmetic runs when a value is
+Shapes are written without a batch axis (one sequence at a time), with Qwen3-0.6B's sizes. MLX
+is lazy: `y = x @ w` only records the operation in a graph; the arithmetic runs when a value is
 needed (`print(y)`, `y.item()`, `mx.eval(y)`). generate() (section 11) builds on that.
 """
 
@@ -31,7 +30,8 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-# On a Linux CPU, MLX runs faster with OpenBLAS, which must be loaded before MLX (Part 3, OpenBLAS).
+# Linux only (a Mac reader can skip these lines): on a CPU, MLX runs faster with OpenBLAS, which
+# must be loaded before MLX (Part 3, OpenBLAS).
 MLX_CPU_WHEEL = any(Path(folder, "mlx_cpu.libs").is_dir() for folder in sys.path)
 try:
     OPENBLAS = (MLX_CPU_WHEEL and os.environ.get("LLM_INFERENCE_BLAS") != "0"
@@ -42,7 +42,6 @@ except OSError:  # not installed: main() prints the command that installs it
 
 import mlx.core as mx
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
 
 # ================================================================================================
 # PART 1: THE MODEL
@@ -107,8 +106,9 @@ def load_tensors(model_dir):
 
 
 def load_weights(model_dir, config, dtype, take=None):
-    """{"embed_tokens", "layers": [{"q_proj": ..., ...} x 28], "norm", "lm_head"}, as `dtype`.
-    (`take` changes how a tensor is taken from the file: section 15 passes one that quantizes.)"""
+    """{"embed_tokens", "layers": [{"q_proj": ..., ...} x 28], "norm", "lm_head"}, as `dtype`
+    (mx.bfloat16, as stored, on a GPU; mx.float32 on a CPU). Optional: `take` changes how a tensor
+    is taken from the file, as section 15 does to quantize."""
     tensors = load_tensors(model_dir)
 
     # Convert one tensor at a time, so the file's bfloat16 copy of everything never sits beside
@@ -142,6 +142,11 @@ def tokenize(tokenizer, text):
     has an encoding, emoji included; common words are one token, their leading space included.
     """
     return tokenizer.encode(text).ids
+
+
+def detokenize(tokenizer, token_ids):
+    """Ids -> text: the pieces' bytes joined and read as UTF-8; [12095] -> " Paris"."""
+    return tokenizer.decode(token_ids)
 
 
 # --- 3. Embed: each id picks one row of the embedding table ---------------------------------------
@@ -198,7 +203,7 @@ def apply_rope(x, offset, theta):
 # query matches each key: softmax(Q Kᵀ / √head_dim) · V, where √128 keeps the scores'
 # variance near 1.
 #
-# A dot product cannot tell where tokens are: shuffle the keys and the weights shuffle along. So
+# A dot product cannot tell where tokens are: shuffle the keys and values, and the output stays. So
 # RoPE (section 5) mixes positions into queries and keys, and a causal mask keeps each position
 # from seeing later ones, which the model had to predict in training.
 #
@@ -233,11 +238,9 @@ def queries_keys_values(x, layer, config, offset):
 
 class KVCache:
     """One layer's keys and values for every position so far, so a new token computes only its own.
-
     Without it, each new token re-runs all earlier tokens through every weight matrix of every
-    layer. With it, one token goes through the weights; only attention reads the cached keys and
-    values. Qwen3-0.6B in bfloat16: 28 layers x 2 (K, V) x 8 heads x 128 x 2 bytes, 112 KiB/token.
-    """
+    layer; with it, only attention reads the earlier positions. Qwen3-0.6B in bfloat16 caches
+    28 layers x 2 (K, V) x 8 heads x 128 x 2 bytes = 112 KiB per token."""
 
     GROWTH = 256  # positions added at a time: one copy per 256 tokens, not one per token
 
@@ -268,9 +271,7 @@ def make_cache(config):
 
 def attend(q, k, v):
     """softmax(q kᵀ / √d) v for q (16, seq, 128) and k, v (8, total, 128) -> (16, seq, 128).
-
-    The queries are the last `seq` of the `total` positions; each sees the keys up to its own.
-    """
+    The queries are the last `seq` of the `total` positions; each sees the keys up to its own."""
     n_heads, seq, head_dim = q.shape
     n_kv_heads, total, _ = k.shape
     scale = 1 / math.sqrt(head_dim)
@@ -280,14 +281,14 @@ def attend(q, k, v):
         # copy of the keys and values is built.
         q = q.reshape(n_kv_heads, n_heads // n_kv_heads, seq, head_dim)  # (8, 2, seq, 128)
         k, v = k[:, None], v[:, None]  # (8, 1, total, 128)
-        scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total)
+        scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total); scaling q is less work
         # Causal mask: query i sits at position total-seq+i and sees keys 0 ... total-seq+i.
         allowed = mx.arange(total)[None, :] <= (total - seq + mx.arange(seq))[:, None]
         scores = mx.where(allowed, scores, -mx.inf)  # (seq, total) mask, broadcast
         probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)  # float32 exp/sum
         return (probs @ v).reshape(n_heads, seq, head_dim)
-    # The kernel wants a batch axis; it does the head groups and the mask itself. A single new token
-    # is the last position, which may see every key: no mask.
+    # The kernel wants a batch axis; it does the head groups and the mask itself, aligned as above
+    # (the last query sees the last key). A single new token may see every key: no mask.
     out = mx.fast.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale,
                                                mask="causal" if seq > 1 else None)
     return out[0]
@@ -330,7 +331,8 @@ def transformer_block(x, layer, config, cache):
 
 def forward(token_ids, weights, config, cache, last_only=True):
     """Logits for token_ids (seq,), which continue the sequence already in `cache` (one per layer):
-    (vocab,) scores for the next token, or (seq, vocab) for every position if not last_only."""
+    (vocab,) scores for the next token, or (seq, vocab) for every position if not last_only (what
+    training computes, and what the tests compare)."""
     x = embed(token_ids, weights["embed_tokens"])  # (seq, 1024)
     for layer, layer_cache in zip(weights["layers"], cache):
         x = transformer_block(x, layer, config, layer_cache)
@@ -369,7 +371,7 @@ def filter_logits(logits, sampling):
         kept = mx.cumsum(probs) - probs < top_p  # the mass before each token
         kept[0] = True  # the likeliest always stays, as in transformers (top_p = 0 keeps it alone)
         bar = mx.where(kept, logits[order], mx.inf).min()  # the least likely token that stays
-        logits = mx.where(logits >= bar, logits, -mx.inf)  # (a tie at the bar stays whole)
+        logits = mx.where(logits >= bar, logits, -mx.inf)  # (tokens tied with it stay too)
     return logits
 
 
@@ -383,23 +385,28 @@ def sample(logits, sampling, key):
 
 # --- 11. Generate: prefill the prompt once, then decode one token at a time -----------------------
 #
-# The loop overlaps Python and the GPU. Written plainly, it would wait for token n (token.item()),
-# yield it, then build step n+1 while the GPU idles. Since MLX is lazy, step n+1 is instead built
-# on token n before that is computed, and queued (mx.async_eval); only then do we wait for token n.
+# Written plainly, the decode loop would be:
+#     for _ in range(max_tokens):
+#         yield token.item()                 # wait for the GPU to compute the token
+#         token, logits = step(token[None])  # the GPU idles while Python records this step
+# For a small model, recording a step takes a good part of the time the GPU spends running it. So,
+# MLX being lazy, step n+1 is recorded on token n before that is computed, and queued
+# (mx.async_eval); only then do we wait for token n.
 
 def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(), cache=None,
              pick=sample):
     """Yield (token id, the model's logits it was picked from) until an id in eos_ids (yielded
     too) or max_tokens. `cache` may already hold earlier tokens (a chat): prompt_ids continue
-    them. pick(logits, sampling, key) chooses each token: sample(), or section 16's, which lowers
-    some logits first (the logits yielded are the model's, before that)."""
+    them; at the end it may also hold the token after the last one yielded. Optional: pick(logits,
+    sampling, key) chooses each token: sample(), or section 16's, with min-p and a presence
+    penalty (the logits yielded are the model's, before that penalty)."""
     cache = make_cache(config) if cache is None else cache
     key = mx.random.key(sampling.seed)
 
     def step(token_ids):  # one forward pass over token_ids (seq,) and the token picked after it
         nonlocal key
         logits = forward(token_ids, weights, config, cache)
-        key, pick_key = mx.random.split(key)
+        key, pick_key = mx.random.split(key)  # fresh randomness each step, repeatable from the seed
         return pick(logits, sampling, pick_key), logits
 
     # Prefill: the prompt's tokens are all known, so they go through each layer together (large,
@@ -745,6 +752,8 @@ import re
 import shutil
 import tempfile
 import time
+
+from tokenizers.decoders import DecodeStream
 
 HF_REPO = "Qwen/Qwen3-0.6B"
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
