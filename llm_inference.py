@@ -851,7 +851,7 @@ def check_weights(model_dir, config):
     """Read the weight files' headers and check that every tensor Part 1 needs is there, with its
     shape and a dtype it reads, inside its file (no weight is read)."""
     files = checked_weight_files(model_dir)
-    missing = [path.name for path in files if not path.is_file()]
+    missing = [path.name for path in files if not path.exists()]  # a directory: read_header says
     if missing:
         raise UserError(f"{model_dir} lacks {missing[0]}, one of the {len(files)} shards named in "
                         f"{WEIGHTS_INDEX} ({len(missing)} missing); re-download it")
@@ -1084,7 +1084,9 @@ def find_model(model_arg, allow_download):
     else:
         repo = model_arg or HF_REPO
         model_dir = repo_dir(repo) if model_arg else default_model_dir()
-    present = {name for name in (*NEEDED_FILES, WEIGHTS_INDEX) if (model_dir / name).is_file()}
+    # exists(), not is_file(): a directory in a file's place is reported as unreadable when read,
+    # rather than as missing (a download would then fail writing over it).
+    present = {name for name in (*NEEDED_FILES, WEIGHTS_INDEX) if (model_dir / name).exists()}
     missing = missing_files(present)
     if not missing:
         return model_dir
