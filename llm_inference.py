@@ -753,13 +753,31 @@ def check_config(model_dir):
             raise UserError(f"{path} asks for {feature}, which this script does not implement")
     raw.setdefault("rope_theta", rope.get("rope_theta"))
     for name, kind in Config.__annotations__.items():  # kind: int, float or bool
-        if raw.get(name) is None:
+        value = raw.get(name)
+        if value is None:
             raise UserError(f"{path} lacks the required key {name!r}")
-        try:
-            kind(raw[name])
-        except (TypeError, ValueError):
-            raise UserError(f"{path}: {name!r} should be a number, got {raw[name]!r}")
+        if kind is bool:
+            fits, expected = isinstance(value, bool), "true or false"
+        else:  # sizes and counts, rope_theta and rms_norm_eps: 0 or less makes no model
+            fits = is_number(value, kind) and value > 0
+            expected = f"a positive {'integer' if kind is int else 'number'}"
+        if not fits:
+            raise UserError(f"{path}: {name!r} should be {expected}, got {json.dumps(value)}")
+    heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
+    if heads % kv_heads:  # each key/value head serves a whole group of query heads (section 6)
+        raise UserError(f"{path}: 'num_attention_heads' ({heads}) should be a multiple of "
+                        f"'num_key_value_heads' ({kv_heads})")
     check_quantization(path, raw)
+
+
+def is_number(value, kind=float):
+    """Whether a value read from JSON is a number of `kind` (int, or float which takes ints too).
+    Python's json reads true as True, a bool, which Python counts as an int: no number here. 2.0 is
+    no int (an int is what JSON writes without a point), and NaN or Infinity, which Python's json
+    also reads, are no usable value."""
+    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)  # isfinite fails on ints above 1e308
 
 
 def check_quantization(path, raw):
@@ -945,6 +963,23 @@ def check_memory(needed, available, dtype):
                         "smaller model")
 
 
+# The lowest temperature besides 0. Lower, sampling is greedy in all but name (a logit gap of 0.01
+# becomes 100), and far lower (1e-45) logits / temperature overflow to inf: the draw gives token 0.
+MIN_TEMPERATURE = 1e-4
+
+# What the program reads from generation_config.json: each key's test, and what it should be.
+GENERATION_KEYS = {
+    "temperature": (lambda t: is_number(t) and (t == 0 or t >= MIN_TEMPERATURE),
+                    f"0 (greedy) or at least {MIN_TEMPERATURE}"),
+    "top_k": (lambda k: is_number(k, int) and k >= 0, "an integer >= 0 (0 = off)"),
+    "top_p": (lambda p: is_number(p) and 0 < p <= 1, "a number in (0, 1]"),
+    "min_p": (lambda p: is_number(p) and 0 <= p <= 1, "a number in [0, 1]"),
+    "eos_token_id": (lambda ids: all(is_number(i, int) and i >= 0 for i in
+                                     (ids if isinstance(ids, list) else [ids])),
+                     "a token id (an integer >= 0) or a list of them"),
+}
+
+
 def load_generation_config(model_dir):
     """generation_config.json (optional): end-of-sequence ids, Qwen's recommended sampling."""
     path = Path(model_dir) / "generation_config.json"
@@ -956,7 +991,13 @@ def load_generation_config(model_dir):
         raise UserError(f"cannot read {path} ({e}); delete or re-download it")
     if not isinstance(generation_config, dict):
         raise UserError(f"{path} is not a JSON object; delete or re-download it")
-    return {key: value for key, value in generation_config.items() if value is not None}  # null
+    generation_config = {key: value for key, value in generation_config.items()
+                         if value is not None}  # null: unset
+    for key, (fits, expected) in GENERATION_KEYS.items():
+        if key in generation_config and not fits(generation_config[key]):
+            raise UserError(f"{path}: {key!r} should be {expected}, got "
+                            f"{json.dumps(generation_config[key])}; fix it or delete the file")
+    return generation_config
 
 
 def eos_token_ids(generation_config, tokenizer):
@@ -1267,6 +1308,15 @@ def number(kind, low=None, high=None, low_open=False):
     return parse
 
 
+def temperature(text):
+    """An argparse type for --temperature: 0 (greedy), or at least MIN_TEMPERATURE."""
+    value = number(float, 0)(text)
+    if 0 < value < MIN_TEMPERATURE:
+        raise argparse.ArgumentTypeError(f"must be 0 or at least {MIN_TEMPERATURE}, got {text}; "
+                                         "use 0 for greedy")
+    return value
+
+
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of argparse's usage block; exit code 2 as usual
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -1279,7 +1329,7 @@ def parse_args(argv):
     ap.add_argument("--max-tokens", type=number(int, 1),
                     help=f"stop after this many new tokens (100; {CHAT_MAX_TOKENS} with --chat, at "
                     "most half the context)")
-    ap.add_argument("--temperature", type=number(float, 0),
+    ap.add_argument("--temperature", type=temperature,
                     help="0 = greedy (default; with --chat 0.6, or 0.7 with --no-think)")
     ap.add_argument("--top-p", type=number(float, 0, 1, low_open=True),
                     help="nucleus sampling mass (generation_config.json's; 0.8 with --no-think)")

@@ -367,6 +367,7 @@ BAD_FLAGS = [
     (["--seed", "abc"], ["--seed", "abc"]),
     (["--seed", "-1"], ["--seed", "-1"]),
     (["--temperature", "nan"], ["--temperature", "finite"]),
+    (["--temperature", "1e-45"], ["--temperature", "at least 0.0001", "use 0 for greedy"]),  # printed token 0
     (["--top-p", "inf"], ["--top-p", "finite"]),
     (["--top-probs", "0"], ["--top-probs", "0"]),
     (["--dtype", "int8"], ["--dtype", "int8"]),
@@ -487,7 +488,84 @@ def test_config_missing_key(tiny_model, variant, tmp_path):
 
 def test_config_value_not_a_number(tiny_model, variant, tmp_path):
     folder = variant(config_json=tiny_config(tiny_model) | {"hidden_size": "wide"})
-    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "'hidden_size'", "'wide'")
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "'hidden_size'", '"wide"')
+
+
+# Each ran before (true as 1 layer of 2, 2.7 as 2, "64" as 64) or printed garbage (rope_theta 0 or NaN,
+# rms_norm_eps -1). Counts must be JSON integers: 2.0 is refused too, as transformers' layers would be.
+BAD_CONFIG_VALUES = [
+    ("num_hidden_layers", True, "a positive integer", "true"),
+    ("num_hidden_layers", 0, "a positive integer", "0"),
+    ("num_hidden_layers", -1, "a positive integer", "-1"),
+    ("num_hidden_layers", 2.7, "a positive integer", "2.7"),
+    ("num_hidden_layers", 2.0, "a positive integer", "2.0"),
+    ("hidden_size", "64", "a positive integer", '"64"'),
+    ("vocab_size", None, "lacks the required key", "'vocab_size'"),
+    ("max_position_embeddings", [40960], "a positive integer", "[40960]"),
+    ("rope_theta", 0, "a positive number", "0"),
+    ("rope_theta", float("nan"), "a positive number", "NaN"),
+    ("rope_theta", float("inf"), "a positive number", "Infinity"),
+    ("rope_theta", "1e6", "a positive number", '"1e6"'),
+    ("rms_norm_eps", -1, "a positive number", "-1"),
+    ("rms_norm_eps", False, "a positive number", "false"),
+    ("tie_word_embeddings", "yes", "true or false", '"yes"'),
+    ("tie_word_embeddings", 1, "true or false", "1"),
+]
+
+
+@pytest.mark.parametrize("key, value, expected, shown", BAD_CONFIG_VALUES,
+                         ids=[f"{key}={value!r}" for key, value, _, _ in BAD_CONFIG_VALUES])
+def test_config_value_of_the_wrong_type_or_range(tiny_model, variant, tmp_path, key, value, expected, shown):
+    folder = variant(config_json=tiny_config(tiny_model) | {key: value})
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, str(folder / "config.json"),
+                          f"{key!r}", expected, shown)
+
+
+def test_config_query_heads_not_a_multiple_of_kv_heads(tiny_model, variant, tmp_path):
+    folder = variant(config_json=tiny_config(tiny_model) | {"num_key_value_heads": 3})  # 4 query heads
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "'num_attention_heads' (4)",
+                          "a multiple of 'num_key_value_heads' (3)")
+
+
+# Each gave a traceback before ("top_k": "x" even when greedy, "temperature": "hot" with --chat,
+# "eos_token_id": {"a": 1} always), or ran degenerate ("temperature": 1e-45 printed token 0).
+BAD_GENERATION_VALUES = [
+    ("top_k", "x", "an integer >= 0", '"x"'),
+    ("top_k", -1, "an integer >= 0", "-1"),
+    ("top_k", 20.5, "an integer >= 0", "20.5"),
+    ("top_k", True, "an integer >= 0", "true"),
+    ("temperature", "hot", "0 (greedy) or at least 0.0001", '"hot"'),
+    ("temperature", -0.5, "0 (greedy) or at least 0.0001", "-0.5"),
+    ("temperature", 1e-45, "0 (greedy) or at least 0.0001", "1e-45"),
+    ("temperature", float("nan"), "0 (greedy) or at least 0.0001", "NaN"),
+    ("top_p", 0, "a number in (0, 1]", "0"),
+    ("top_p", 1.5, "a number in (0, 1]", "1.5"),
+    ("top_p", "0.9", "a number in (0, 1]", '"0.9"'),
+    ("min_p", -0.1, "a number in [0, 1]", "-0.1"),
+    ("min_p", 2, "a number in [0, 1]", "2"),
+    ("eos_token_id", {"a": 1}, "a token id", '{"a": 1}'),
+    ("eos_token_id", "151645", "a token id", '"151645"'),
+    ("eos_token_id", [151645, -1], "a token id", "[151645, -1]"),
+    ("eos_token_id", [151645, None], "a token id", "[151645, null]"),
+]
+
+
+@pytest.mark.parametrize("key, value, expected, shown", BAD_GENERATION_VALUES,
+                         ids=[f"{key}={value!r}" for key, value, _, _ in BAD_GENERATION_VALUES])
+def test_generation_config_value_of_the_wrong_type_or_range(tiny_model, variant, tmp_path, key, value, expected,
+                                                             shown):
+    generation_config = json.loads((tiny_model / "generation_config.json").read_text()) | {key: value}
+    folder = variant(generation_config_json=generation_config)
+    assert_one_line_error(run_cli("--model", folder, "--max-tokens", 2, cwd=tmp_path), 1,
+                          str(folder / "generation_config.json"), f"{key!r} should be {expected}", f"got {shown}",
+                          "delete the file")
+
+
+def test_generation_config_temperature_not_a_number_in_chat(tiny_model, variant, tmp_path):
+    """--chat is where the temperature is read (a traceback there before): refused at start-up too."""
+    generation_config = json.loads((tiny_model / "generation_config.json").read_text()) | {"temperature": "hot"}
+    folder = variant(generation_config_json=generation_config)
+    assert_one_line_error(run_cli("--model", folder, "--chat", cwd=tmp_path), 1, "'temperature'", '"hot"')
 
 
 @pytest.mark.parametrize("key, value", [
