@@ -952,15 +952,43 @@ def memory_size():
     return size or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_memory(needed, available, dtype):
-    """Refuse weights larger than the whole memory before reading gigabytes only to crash or swap.
-    Anything smaller is left to run: the OS can usually make room."""
-    if needed > available:
-        name = str(dtype).split(".")[-1]
-        smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
-        raise UserError(f"the weights need {needed / 1e9:.1f} GB as {name}, but this machine has "
-                        f"{available / 1e9:.1f} GB of memory; try {smaller}--quantize 4, or a "
-                        "smaller model")
+def gpu_working_set():
+    """On a Mac, the memory Metal recommends its GPU use at most: about two thirds to three
+    quarters of the unified memory. Beyond it MLX still allocates, but the weights are paged in
+    and out on every token. None elsewhere: CUDA reports no such size, and the CPU has the RAM."""
+    if mx.default_device() != mx.gpu:
+        return None
+    return mx.device_info().get("max_recommended_working_set_size")
+
+
+def check_memory(needed, available, dtype, working_set=None):
+    """Refuse weights larger than the whole memory, or on a Mac than the GPU's working set, before
+    reading gigabytes only to crash or swap. Anything smaller is left to run: the OS can usually
+    make room."""
+    if working_set and needed > working_set:
+        has = (f"this Mac's GPU may use only {working_set / 1e9:.1f} GB of its "
+               f"{available / 1e9:.1f} GB of memory (Metal's recommended working set)")
+    elif needed > available:
+        has = f"this machine has {available / 1e9:.1f} GB of memory"
+    else:
+        return
+    name = str(dtype).split(".")[-1]
+    smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
+    raise UserError(f"the weights need {needed / 1e9:.1f} GB as {name}, but {has}; try "
+                    f"{smaller}--quantize 4, or a smaller model")
+
+
+def wire_weights(weights):
+    """On a Mac, keep weights that fill more than half the GPU's working set resident ("wired")
+    while generating, as mlx-lm's generate does: macOS could otherwise page them out, and every
+    token reads all of them. Called once, before anything is generated: MLX asks that the limit
+    not change while work is queued. It lasts until the process ends."""
+    from mlx.utils import tree_flatten  # only this Mac step needs it
+
+    working_set = gpu_working_set()
+    arrays = {id(a): a for _, a in tree_flatten(weights) if isinstance(a, mx.array)}  # tied: once
+    if working_set and sum(a.nbytes for a in arrays.values()) > working_set / 2:
+        mx.set_wired_limit(working_set)
 
 
 # The lowest temperature besides 0. Lower, sampling is greedy in all but name (a logit gap of 0.01
@@ -1020,9 +1048,10 @@ def load_model(model_dir, dtype, bits=None):
     if bits and stored_bits and bits != stored_bits:
         raise UserError(f"{model_dir} is already quantized to {stored_bits} bits; drop --quantize "
                         "or point --model at the unquantized model")
+    check_weights(model_dir, config)  # first: the memory needed is computed from config.json
     group_size = quantization.get("group_size", GROUP_SIZE)
-    check_memory(weight_bytes(config, dtype, bits or stored_bits, group_size), memory_size(), dtype)
-    check_weights(model_dir, config)
+    check_memory(weight_bytes(config, dtype, bits or stored_bits, group_size), memory_size(), dtype,
+                 gpu_working_set())
     path = Path(model_dir) / "tokenizer.json"
     try:
         tokenizer = load_tokenizer(model_dir)
@@ -1533,6 +1562,9 @@ def stream(tokens, printer, on_first_logits=None):
             printer.add(token_id)  # <|im_end|> prints nothing
     except KeyboardInterrupt:
         interrupted = True
+        # generate() queues the next step before yielding a token: let it finish before the program
+        # exits or goes on (quitting with GPU work queued has crashed other MLX programs).
+        mx.synchronize()
     finally:
         tokens.close()  # for Chat.reply: the (partial) reply joins the history now
     end = time.perf_counter()
@@ -1606,6 +1638,7 @@ def main(argv=None):
         check_chat_template(model_dir)
     dtype = pick_dtype(args.dtype)
     config, weights, tokenizer, generation_config = load_model(model_dir, dtype, args.quantize)
+    wire_weights(weights)
     bits = args.quantize or stored_quantization(model_dir).get("bits")
     eos_ids = eos_token_ids(generation_config, tokenizer)
     sampling = sampling_settings(args, generation_config)
@@ -1668,6 +1701,7 @@ if __name__ == "__main__":
         print(f"llm_inference.py: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C while loading: no traceback
+        mx.synchronize()  # nothing left queued on the GPU at exit, as after Ctrl-C in stream()
         print("\nInterrupted.", file=sys.stderr)
         sys.exit(130)
     except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as Unix tools do

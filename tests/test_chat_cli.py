@@ -400,3 +400,22 @@ def test_ctrl_c_before_a_reply_begins_leaves_the_chat_as_it_was(tiny_model, refe
     assert err[0] == "Interrupted."
     assert [int(t[2]) for t in turn_lines("\n".join(err))] == [1]  # "Hello" was answered
     assert [message for message, _ in chat.turns] == ["Hello"]
+
+
+def test_ctrl_c_waits_for_the_queued_step(reference, monkeypatch, capsys):
+    """generate() queues step n+1 before yielding token n: after Ctrl-C, stream() (which main and the chat
+    loop both read replies through) waits for it (mx.synchronize) before anything else happens."""
+    events = []
+    monkeypatch.setattr(li.mx, "synchronize", lambda *stream: events.append("synchronize"))
+    tokens = li.generate(reference.ids("The capital of France is"), reference.weights, reference.config, 50)
+
+    def interrupted_after_two():
+        for n, (token_id, logits) in enumerate(tokens):
+            events.append(token_id)
+            if n == 1:
+                raise KeyboardInterrupt
+            yield token_id, logits
+
+    interrupted, _, _ = li.stream(interrupted_after_two(), li.ReplyPrinter(reference.tokenizer, False))
+    assert interrupted
+    assert len(events) == 3 and events[2] == "synchronize"  # two tokens, then the wait
