@@ -1531,21 +1531,38 @@ def read_message(interactive):
 
 def make_room(chat, message, max_tokens):
     """Forget the oldest turns until the conversation, the new message and a whole reply fit in
-    the context; say so on stderr. A message too long even alone is a UserError. Once the context
-    is full, each turn drops the oldest and prefills the whole conversation again: slower turns."""
-    context, dropped = chat.config.max_position_embeddings, 0
+    the context; say so on stderr. A message too long even alone is a UserError, and leaves the
+    conversation as it was. Once the context is full, each turn drops the oldest and prefills the
+    whole conversation again: slower turns."""
+    context, turns, dropped = chat.config.max_position_embeddings, chat.turns, 0
     n_prompt = len(chat.prompt_ids(message))
-    while n_prompt + max_tokens > context and chat.turns:
-        del chat.turns[0]  # the cache rolls back to the system message and prefills the rest
-        dropped += 1
-        n_prompt = len(chat.prompt_ids(message))
-    if n_prompt + max_tokens > context:
-        raise UserError(f"this message makes a {n_prompt}-token prompt; with --max-tokens "
-                        f"{max_tokens} that exceeds the model's {context}-token context: "
-                        "shorten it")
+    try:
+        while n_prompt + max_tokens > context and dropped < len(turns):
+            dropped += 1
+            # Without the oldest turns (the cache rolls back to the system message, then prefills).
+            chat.turns = turns[dropped:]
+            n_prompt = len(chat.prompt_ids(message))
+        if n_prompt + max_tokens > context:
+            raise UserError(f"this message makes a {n_prompt}-token prompt; with --max-tokens "
+                            f"{max_tokens} that exceeds the model's {context}-token context: "
+                            "shorten it")
+    except BaseException:  # refused, or Ctrl-C while counting: the earlier turns stay
+        chat.turns = turns
+        raise
     if dropped:
         print(f"(the conversation outgrew the {context}-token context: forgot the oldest "
               f"{dropped} turn{'s' if dropped > 1 else ''})", file=sys.stderr)
+
+
+def check_chat_max_tokens(tokenizer, system, think, context, max_tokens):
+    """--chat: refuse at start-up a --max-tokens that leaves no room in the context for a message
+    (make_room would refuse every one)."""
+    n_format = len(tokenize(tokenizer, chat_prompt("", system, think)))  # all but the message
+    if n_format + max_tokens >= context:
+        system_too = " and --system" if system else ""
+        raise UserError(f"--max-tokens {max_tokens} leaves no room for a message in the model's "
+                        f"{context}-token context (the chat format{system_too} takes {n_format}); "
+                        f"lower --max-tokens{' or shorten --system' if system else ''}")
 
 
 def stream(tokens, printer, on_first_logits=None):
@@ -1655,6 +1672,8 @@ def main(argv=None):
             raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens "
                             f"{max_tokens} that exceeds the model's {context}-token context: "
                             "shorten it or lower --max-tokens")
+    else:  # a whole reply must fit beside each message
+        check_chat_max_tokens(tokenizer, system, not args.no_think, context, max_tokens)
 
     c = config
     print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "

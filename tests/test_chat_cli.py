@@ -419,3 +419,22 @@ def test_ctrl_c_waits_for_the_queued_step(reference, monkeypatch, capsys):
     interrupted, _, _ = li.stream(interrupted_after_two(), li.ReplyPrinter(reference.tokenizer, False))
     assert interrupted
     assert len(events) == 3 and events[2] == "synchronize"  # two tokens, then the wait
+
+
+@pytest.mark.parametrize("max_tokens", [8, 16, 40])
+def test_chat_max_tokens_leaving_no_room_for_a_message_is_refused_at_start(tiny_model, variant, tmp_path,
+                                                                           max_tokens):
+    """Before: every message was refused ("shorten it") and the chat ended with exit code 0."""
+    config = json.loads((tiny_model / "config.json").read_text()) | {"max_position_embeddings": 16}
+    folder = variant("short-context", config_json=config)
+    assert_one_line_error(run_cli("--model", folder, "--chat", "--max-tokens", max_tokens, cwd=tmp_path,
+                                  stdin=b"Hi\n"), 1, f"--max-tokens {max_tokens} leaves no room for a message",
+                          "16-token context", "lower --max-tokens")
+
+
+def test_chat_max_tokens_leaving_room_for_a_short_message_runs(tiny_model, variant, tmp_path):
+    config = json.loads((tiny_model / "config.json").read_text()) | {"max_position_embeddings": 16}
+    folder = variant("short-context", config_json=config)
+    # The chat format takes 8 tokens, "Hi" 1 more: 7 are left for the reply (8 leave none for any text).
+    rc, out, err = run_cli("--model", folder, "--chat", "--max-tokens", 7, cwd=tmp_path, stdin=b"Hi\n")
+    assert rc == 0 and [int(t[2]) for t in turn_lines(err)] == [1], err
