@@ -1162,6 +1162,8 @@ def find_model(model_arg, allow_download):
         return model_dir
     if model_dir.is_dir():
         what = f"{model_dir} lacks {', '.join(missing)}"
+    elif model_dir.exists():  # say, --model Qwen3-0.6B/config.json
+        what = f"{model_dir} is a file, not a model folder"
     else:
         what = f"model folder {model_dir} not found"
     if repo is None:
@@ -1346,6 +1348,15 @@ def temperature(text):
     return value
 
 
+def model_name(text):
+    """An argparse type for --model: a folder or a repo id. An empty one (a shell variable that was
+    never set?) would otherwise mean the default model, and a 1.5 GB download."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give a model folder, or a repo id such as "
+                                         f"{HF_REPO}")
+    return text
+
+
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of argparse's usage block; exit code 2 as usual
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -1370,7 +1381,7 @@ def parse_args(argv):
                     help="lower the logit of tokens already in the reply, against repetition (0)")
     ap.add_argument("--seed", type=number(int, 0, 2**64 - 1),
                     help="random seed for sampling (default: a fresh one)")
-    ap.add_argument("--model",
+    ap.add_argument("--model", type=model_name,
                     help="a model folder, or a Hugging Face repo id such as Qwen/Qwen3-1.7B, "
                     "downloaded once into the folder Qwen/Qwen3-1.7B next to this script "
                     "(default: ./Qwen3-0.6B, else the one next to this script)")
@@ -1407,6 +1418,8 @@ def parse_args(argv):
                             ("--no-cache", args.no_cache)):
             if given:
                 ap.error(f"{flag} needs a single message: add --prompt to --chat")
+    if args.trace and args.top_probs:  # the trace computes no reply, and shows its own top 5
+        ap.error("--top-probs does not apply to --trace, which ends with the 5 likeliest tokens")
     return args
 
 
@@ -1450,6 +1463,22 @@ def describe(sampling):
 # ------------------------------------------------------------------------------------------------
 # Showing a reply, and the chat loop
 # ------------------------------------------------------------------------------------------------
+
+def plural(n, word):
+    """'1 token', '2 tokens'."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def rate(n, seconds):
+    """', 12.3 tok/s' for n tokens in `seconds`; nothing when no token was timed (a decode rate
+    counts the tokens after the first: one token gives none)."""
+    return f", {n / seconds:.1f} tok/s" if n > 0 and seconds > 0 else ""
+
+
+def shortened(text, limit=60):
+    """The start of a long text, for a one-line header: a prompt may be a whole file."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
 
 class ReplyPrinter:
     """Writes a reply to stdout as its tokens arrive. On a terminal, Qwen3's <think>...</think>
@@ -1627,11 +1656,11 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think):
         turn += 1
         n = len(chat.turns[-1][1])  # the reply as the history keeps it (without <|im_end|>)
         prefill = chat.prefilled / prefill_s if printer.n_tokens else 0.0
-        decode = (printer.n_tokens - 1) / decode_s if printer.n_tokens > 1 else 0.0
         thinking = f", {printer.n_thinking} thinking" if printer.n_thinking else ""
         print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: {chat.reused} tokens reused "
-              f"from the cache, {chat.prefilled} prefilled at {prefill:.1f} tok/s | Reply: {n} "
-              f"tokens{thinking}, {decode:.1f} tok/s", file=sys.stderr)
+              f"from the cache, {chat.prefilled} prefilled at {prefill:.1f} tok/s | Reply: "
+              f"{plural(n, 'token')}{thinking}{rate(printer.n_tokens - 1, decode_s)}",
+              file=sys.stderr)
 
 
 def main(argv=None):
@@ -1648,8 +1677,10 @@ def main(argv=None):
     ignored = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
                                         ("--min-p", args.min_p)) if value is not None]
     if greedy and ignored:
-        print(f"warning: {', '.join(ignored)} only matter when sampling; greedy decoding "
-              "ignores them (add --temperature)", file=sys.stderr)
+        one = len(ignored) == 1
+        print(f"warning: {', '.join(ignored)} only matter{'s' if one else ''} when sampling; "
+              f"greedy decoding ignores {'it' if one else 'them'} (add --temperature)",
+              file=sys.stderr)
     model_dir = find_model(args.model, allow_download=not args.no_download)
     if args.chat:
         check_chat_template(model_dir)
@@ -1676,7 +1707,7 @@ def main(argv=None):
         check_chat_max_tokens(tokenizer, system, not args.no_think, context, max_tokens)
 
     c = config
-    print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
+    print(f"Model: {model_dir.resolve().name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
           f"{c.num_attention_heads} Q heads, {c.num_key_value_heads} KV heads) on {device_name()}, "
           f"{str(dtype).split('.')[-1]}{f', {bits}-bit weights' if bits else ''}",
           file=sys.stderr)
@@ -1692,7 +1723,8 @@ def main(argv=None):
         chat_loop(chat, max_tokens, sampling, eos_ids, args.hide_think)
         return 0
 
-    print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {describe(sampling)}", file=sys.stderr)
+    print(f"Prompt: {shortened(prompt)!r} ({plural(len(prompt_ids), 'token')}), "
+          f"{describe(sampling)}", file=sys.stderr)
     if args.trace:
         trace(prompt_ids, weights, config, tokenizer)
         return 0
@@ -1704,10 +1736,9 @@ def main(argv=None):
         generate(prompt_ids, weights, config, max_tokens, sampling, eos_ids,
                  use_cache=not args.no_cache), printer, top_probs)
     n_generated = printer.n_tokens
-    prefill_rate = len(prompt_ids) / prefill_s if n_generated else 0.0
-    decode_rate = (n_generated - 1) / decode_s if n_generated > 1 else 0.0
-    print(f"{'Interrupted. ' if interrupted else ''}Prompt: {len(prompt_ids)} tokens, "
-          f"{prefill_rate:.1f} tok/s | Generated: {n_generated} tokens, {decode_rate:.1f} tok/s | "
+    print(f"{'Interrupted. ' if interrupted else ''}Prompt: {plural(len(prompt_ids), 'token')}"
+          f"{rate(len(prompt_ids) if n_generated else 0, prefill_s)} | Generated: "
+          f"{plural(n_generated, 'token')}{rate(n_generated - 1, decode_s)} | "
           f"Total: {prefill_s + decode_s:.2f} s | Peak memory: "
           f"{mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr)
     return 130 if interrupted else 0

@@ -37,7 +37,7 @@ from tests.test_cli import (  # noqa: F401 (fixtures)
 )
 
 TURN = re.compile(r"^(Interrupted\. )?Turn (\d+): (\d+) tokens reused from the cache, (\d+) prefilled "
-                  r"at [\d.]+ tok/s \| Reply: (\d+) tokens(, \d+ thinking)?, [\d.]+ tok/s$")
+                  r"at [\d.]+ tok/s \| Reply: (\d+) tokens?(, \d+ thinking)?(?:, [\d.]+ tok/s)?$")
 GREEDY_WARNING = "warning: Qwen advises against greedy decoding"
 
 
@@ -378,6 +378,18 @@ def test_filters_given_without_sampling_are_said_to_be_ignored(tiny_model, tmp_p
     rc, _, err = run_cli("--model", tiny_model, "--prompt", "Hi", "--max-tokens", 2, "--top-k", 5,
                          "--temperature", "0.5", cwd=tmp_path)
     assert rc == 0 and "warning" not in err
+    rc, _, err = run_cli("--model", tiny_model, "--prompt", "Hi", "--max-tokens", 2, "--top-p", "0.5",
+                         cwd=tmp_path)
+    assert rc == 0
+    assert err.splitlines()[0] == ("warning: --top-p only matters when sampling; greedy decoding ignores it "
+                                   "(add --temperature)")
+
+
+def test_a_one_token_reply_is_counted_in_the_singular(tiny_model, tmp_path):
+    rc, _, err = run_cli("--model", tiny_model, "--chat", "--max-tokens", 1, cwd=tmp_path, stdin=b"Hi\n")
+    assert rc == 0, err
+    (turn,) = [line for line in err.splitlines() if line.startswith("Turn 1: ")]
+    assert turn.endswith(" | Reply: 1 token"), turn  # no "1 tokens, 0.0 tok/s"
 
 
 def test_ctrl_c_before_a_reply_begins_leaves_the_chat_as_it_was(tiny_model, reference, monkeypatch,

@@ -31,8 +31,8 @@ from tests.checkpoint import TINY_CONFIG, write_checkpoint
 
 SCRIPT = Path(li.__file__).resolve()
 PROMPT = "The capital of France is"  # 5 tokens with Qwen's tokenizer
-STATS = re.compile(
-    r"Prompt: (\d+) tokens, [\d.]+ tok/s \| Generated: (\d+) tokens, [\d.]+ tok/s \| "
+STATS = re.compile(  # a rate is left out where there is none (no token generated; one: no decode rate)
+    r"Prompt: (\d+) tokens?(?:, [\d.]+ tok/s)? \| Generated: (\d+) tokens?(?:, [\d.]+ tok/s)? \| "
     r"Total: [\d.]+ s \| Peak memory: [\d.]+ GB$"
 )
 ERROR_PREFIX = "llm_inference.py: error: "
@@ -287,9 +287,40 @@ def test_quantize(tiny_model, greedy_24, tmp_path, bits):
 
 
 def test_max_tokens_one(tiny_model, reference, tmp_path):
-    text, _, n_prompt, n_generated = parse_success(run_cli("--model", tiny_model, "--max-tokens", 1, cwd=tmp_path))
+    text, lines, n_prompt, n_generated = parse_success(run_cli("--model", tiny_model, "--max-tokens", 1,
+                                                               cwd=tmp_path))
     assert (n_prompt, n_generated) == (5, 1)
     assert text == reference.tokenizer.decode(reference.generate(PROMPT, 1), skip_special_tokens=True)
+    # One token: no decode rate (it counts the tokens after the first), rather than "0.0 tok/s".
+    assert re.match(r"Prompt: 5 tokens, [\d.]+ tok/s \| Generated: 1 token \| Total", lines[-1]), lines[-1]
+
+
+def test_a_one_token_prompt_is_one_token(tiny_model, reference, tmp_path):
+    assert len(reference.ids("Hi")) == 1
+    _, lines, _, _ = parse_success(run_cli("--model", tiny_model, "--prompt", "Hi", "--max-tokens", 2,
+                                           cwd=tmp_path))
+    assert lines[1] == "Prompt: 'Hi' (1 token), greedy"
+    assert re.match(r"Prompt: 1 token, [\d.]+ tok/s \| Generated: 2 tokens, [\d.]+ tok/s \| ", lines[-1])
+
+
+def test_a_long_prompt_is_shortened_in_the_header(tiny_model, reference, tmp_path):
+    prompt = "All work and no play makes Jack a dull boy. " * 500  # 22 KB, as from a file on stdin
+    _, lines, n_prompt, _ = parse_success(run_cli("--model", tiny_model, "--prompt", "-", "--max-tokens", 2,
+                                                  stdin=prompt.encode(), cwd=tmp_path))
+    assert n_prompt == len(reference.ids(prompt))  # all of it read
+    assert lines[1] == f"Prompt: {prompt[:60] + '…'!r} ({n_prompt} tokens), greedy"
+
+
+def test_model_dot_is_named_after_its_folder(variant, tmp_path):
+    folder = variant("my-qwen")
+    _, lines, _, _ = parse_success(run_cli("--model", ".", "--max-tokens", 2, cwd=folder))
+    assert lines[0].startswith("Model: my-qwen (2 layers, "), lines[0]
+
+
+def test_model_path_to_a_file(tiny_model, tmp_path):
+    path = tiny_model / "config.json"
+    assert_one_line_error(run_cli("--model", path, cwd=tmp_path), 1, f"{path} is a file, not a model folder",
+                          "point --model at a folder")
 
 
 def test_context_limit_is_inclusive(tiny_model, variant, tmp_path):
@@ -377,6 +408,8 @@ BAD_FLAGS = [
     (["--system", ""], ["--system", "--chat"]),
     (["--no-think"], ["--no-think", "--chat"]),
     (["--bogus"], ["--bogus"]),
+    (["--model", ""], ["--model", "is empty", "repo id"]),  # meant the default, and a 1.5 GB download
+    (["--trace", "--top-probs", "3"], ["--top-probs", "--trace"]),  # the trace showed 5 rows all the same
 ]
 
 
