@@ -361,6 +361,15 @@ def test_trace_narrates_one_forward_pass(tiny_model, reference, tmp_path, flags)
     assert len(table) == 5 and int(table[0].split()[-2]) == first
 
 
+def test_help_says_what_each_dtype_costs(tmp_path):
+    rc, out, err = run_cli("--help", cwd=tmp_path)
+    assert rc == 0 and err == ""
+    dtype = " ".join(out.split("--dtype {auto,bfloat16,float16,float32}")[-1].split())
+    assert "M1/M2 Macs have no bfloat16 arithmetic: float16 runs faster there" in dtype
+    assert "Qwen3 can overflow it" in dtype
+    assert "On CUDA and M5 Macs, MLX multiplies float32 with TF32 (less precise) unless MLX_ENABLE_TF32=0" in dtype
+
+
 def test_prompt_argument_not_utf8_fails_before_loading(tmp_path):
     """Bytes cut mid-character arrive as lone surrogates; caught before the (missing) model is looked at."""
     cut = os.fsdecode("café".encode()[:-1])  # b"caf\xc3"
