@@ -217,10 +217,12 @@ def load_pair(model_dir, dtype, bits=None):
 
 def main():
     # The CLI's parser and checks: a bad value is one line and exit code 2, before anything loads.
-    ap = li.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = li.ArgumentParser(description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     count = li.number(int, 1)
-    ap.add_argument("--model", type=li.model_name, help="checkpoint folder or Hugging Face repo id (default: ./Qwen3-0.6B if present, "
-                                    "else random weights)")
+    ap.add_argument("--model", type=li.model_name,
+                    help="checkpoint folder or Hugging Face repo id (default: ./Qwen3-0.6B if present, "
+                         "else random weights)")
     ap.add_argument("--tiny", action="store_true", help="random 2-layer model instead of the 0.6B shape")
     ap.add_argument("--device", choices=["cpu", "gpu"], help="default: MLX's default device")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],

@@ -1395,10 +1395,10 @@ def parse_args(argv):
     ap.add_argument("--hide-think", action="store_true",
                     help="with --chat: show a progress line instead of the reasoning")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                    help="auto = bfloat16 on a GPU, float32 on the CPU. M1/M2 Macs have no bfloat16 "
-                    "arithmetic: float16 runs faster there (29 vs 19 tok/s on an M2 Ultra), but "
-                    "Qwen3 can overflow it. On CUDA and M5 Macs, MLX multiplies float32 with TF32 "
-                    "(less precise) unless MLX_ENABLE_TF32=0 is set")
+                    help="auto = bfloat16 on a GPU, float32 on the CPU. M1/M2 Macs have no "
+                    "bfloat16 arithmetic: float16 runs faster there (29 vs 19 tok/s on an M2 "
+                    "Ultra), but Qwen3 can overflow it. On CUDA and M5 Macs, MLX multiplies "
+                    "float32 with TF32 (less precise) unless MLX_ENABLE_TF32=0 is set")
     ap.add_argument("--quantize", type=int, choices=[4, 8], metavar="{4,8}",
                     help="store the weights in 4 or 8 bits, as mlx_lm.convert does: less memory "
                          "(what it does to speed: README, Quantization)")
@@ -1590,11 +1590,11 @@ def check_chat_max_tokens(tokenizer, system, think, context, max_tokens):
     """--chat: refuse at start-up a --max-tokens that leaves no room in the context for a message
     (make_room would refuse every one)."""
     n_format = len(tokenize(tokenizer, chat_prompt("", system, think)))  # all but the message
-    if n_format + max_tokens >= context:
+    if n_format + max_tokens >= context:  # >=: a message adds at least one token
         system_too = " and --system" if system else ""
         raise UserError(f"--max-tokens {max_tokens} leaves no room for a message in the model's "
-                        f"{context}-token context (the chat format{system_too} takes {n_format}); "
-                        f"lower --max-tokens{' or shorten --system' if system else ''}")
+                        f"{context}-token context (the chat format{system_too} takes {n_format} "
+                        f"tokens); lower --max-tokens{' or shorten --system' if system else ''}")
 
 
 def stream(tokens, printer, on_first_logits=None):

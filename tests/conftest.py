@@ -13,8 +13,8 @@ product run on the GPU (mlx/backend/metal: matmul.cpp, quantized.cpp,
 scaled_dot_product_attention.cpp; mlx/backend/cuda: gemms/cublas_gemm.cpp, conv.cpp), not at import.
 The CPU backend never asks. From then on the value is fixed for the life of the process: a later
 change is ignored. Setting it here, when pytest imports this file, before any test module imports
-mlx.core, is early enough. os.environ calls putenv, so MLX's getenv sees it, and the subprocesses the
-tests start inherit it: they all run with tests/test_cli.py's cli_env(), a copy of os.environ
+mlx.core, is early enough. os.environ calls putenv, so MLX's getenv sees it, and the subprocesses
+the tests start inherit it: they all run with tests/test_cli.py's cli_env(), a copy of os.environ
 (tests/test_cli.py::test_tf32_is_off_in_the_tests_and_their_subprocesses checks both).
 """
 
