@@ -219,22 +219,26 @@ def load_pair(model_dir, dtype, bits=None):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint folder or Hugging Face repo id (default: ./Qwen3-0.6B if present, "
-                                    "else random weights)")
+    # The CLI's parser and checks: a bad value is one line and exit code 2, before anything loads.
+    ap = li.ArgumentParser(description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    count = li.number(int, 1)
+    ap.add_argument("--model", type=li.model_name,
+                    help="checkpoint folder or Hugging Face repo id (default: ./Qwen3-0.6B if present, "
+                         "else random weights)")
     ap.add_argument("--tiny", action="store_true", help="random 2-layer model instead of the 0.6B shape")
     ap.add_argument("--device", choices=["cpu", "gpu"], help="default: MLX's default device")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                     help="activations (and quantization scales); auto = bfloat16 on a GPU, float32 on the CPU")
     ap.add_argument("--quantize", type=int, choices=[4, 8], help="quantize the weights at load, in both runtimes")
-    ap.add_argument("--prompt-lengths", type=int, nargs="+", default=[128, 2048])
-    ap.add_argument("--decode-tokens", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompt-lengths", type=count, nargs="+", default=[128, 2048])
+    ap.add_argument("--decode-tokens", type=count, default=256)
+    ap.add_argument("--reps", type=count, default=3)
     ap.add_argument("--matmul", action="store_true",
                     help="instead: time one matrix-vector product in float32, bfloat16, 8 and 4 bits")
-    ap.add_argument("--cache-lengths", type=int, nargs="+", metavar="N",
+    ap.add_argument("--cache-lengths", type=count, nargs="+", metavar="N",
                     help="instead: decode speed with and without the KV cache at these prompt lengths")
-    ap.add_argument("--chat-turns", type=int, metavar="N",
+    ap.add_argument("--chat-turns", type=count, metavar="N",
                     help="instead: time to first token per turn of an N-turn chat, with the cache "
                          "kept across turns vs prefilling the conversation again (--decode-tokens "
                          "per reply)")

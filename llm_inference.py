@@ -795,13 +795,31 @@ def check_config(model_dir):
             raise UserError(f"{path} asks for {feature}, which this script does not implement")
     raw.setdefault("rope_theta", rope.get("rope_theta"))
     for name, kind in Config.__annotations__.items():  # kind: int, float or bool
-        if raw.get(name) is None:
+        value = raw.get(name)
+        if value is None:
             raise UserError(f"{path} lacks the required key {name!r}")
-        try:
-            kind(raw[name])
-        except (TypeError, ValueError):
-            raise UserError(f"{path}: {name!r} should be a number, got {raw[name]!r}")
+        if kind is bool:
+            fits, expected = isinstance(value, bool), "true or false"
+        else:  # sizes and counts, rope_theta and rms_norm_eps: 0 or less makes no model
+            fits = is_number(value, kind) and value > 0
+            expected = f"a positive {'integer' if kind is int else 'number'}"
+        if not fits:
+            raise UserError(f"{path}: {name!r} should be {expected}, got {json.dumps(value)}")
+    heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
+    if heads % kv_heads:  # each key/value head serves a whole group of query heads (section 6)
+        raise UserError(f"{path}: 'num_attention_heads' ({heads}) should be a multiple of "
+                        f"'num_key_value_heads' ({kv_heads})")
     check_quantization(path, raw)
+
+
+def is_number(value, kind=float):
+    """Whether a value read from JSON is a number of `kind` (int, or float which takes ints too).
+    Python's json reads true as True, a bool, which Python counts as an int: no number here. 2.0 is
+    no int (an int is what JSON writes without a point), and NaN or Infinity, which Python's json
+    also reads, are no usable value."""
+    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)  # isfinite fails on ints above 1e308
 
 
 def check_quantization(path, raw):
@@ -893,7 +911,7 @@ def check_weights(model_dir, config):
     """Read the weight files' headers and check that every tensor Part 1 needs is there, with its
     shape and a dtype it reads, inside its file (no weight is read)."""
     files = checked_weight_files(model_dir)
-    missing = [path.name for path in files if not path.is_file()]
+    missing = [path.name for path in files if not path.exists()]  # a directory: read_header says
     if missing:
         raise UserError(f"{model_dir} lacks {missing[0]}, one of the {len(files)} shards named in "
                         f"{WEIGHTS_INDEX} ({len(missing)} missing); re-download it")
@@ -976,15 +994,60 @@ def memory_size():
     return size or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_memory(needed, available, dtype):
-    """Refuse weights larger than the whole memory before reading gigabytes only to crash or swap.
-    Anything smaller is left to run: the OS can usually make room."""
-    if needed > available:
-        name = str(dtype).split(".")[-1]
-        smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
-        raise UserError(f"the weights need {needed / 1e9:.1f} GB as {name}, but this machine has "
-                        f"{available / 1e9:.1f} GB of memory; try {smaller}--quantize 4, or a "
-                        "smaller model")
+def gpu_working_set():
+    """On a Mac, the memory Metal recommends its GPU use at most: about two thirds to three
+    quarters of the unified memory. Beyond it MLX still allocates, but the weights are paged in
+    and out on every token. None elsewhere: CUDA reports no such size, and the CPU has the RAM."""
+    if mx.default_device() != mx.gpu:
+        return None
+    return mx.device_info().get("max_recommended_working_set_size")
+
+
+def check_memory(needed, available, dtype, working_set=None):
+    """Refuse weights larger than the whole memory, or on a Mac than the GPU's working set, before
+    reading gigabytes only to crash or swap. Anything smaller is left to run: the OS can usually
+    make room."""
+    if working_set and needed > working_set:
+        has = (f"this Mac's GPU may use only {working_set / 1e9:.1f} GB of its "
+               f"{available / 1e9:.1f} GB of memory (Metal's recommended working set)")
+    elif needed > available:
+        has = f"this machine has {available / 1e9:.1f} GB of memory"
+    else:
+        return
+    name = str(dtype).split(".")[-1]
+    smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
+    raise UserError(f"the weights need {needed / 1e9:.1f} GB as {name}, but {has}; try "
+                    f"{smaller}--quantize 4, or a smaller model")
+
+
+def wire_weights(weights):
+    """On a Mac, keep weights that fill more than half the GPU's working set resident ("wired")
+    while generating, as mlx-lm's generate does: macOS could otherwise page them out, and every
+    token reads all of them. Called once, before anything is generated: MLX asks that the limit
+    not change while work is queued. It lasts until the process ends."""
+    from mlx.utils import tree_flatten  # only this Mac step needs it
+
+    working_set = gpu_working_set()
+    arrays = {id(a): a for _, a in tree_flatten(weights) if isinstance(a, mx.array)}  # tied: once
+    if working_set and sum(a.nbytes for a in arrays.values()) > working_set / 2:
+        mx.set_wired_limit(working_set)
+
+
+# The lowest temperature besides 0. Lower, sampling is greedy in all but name (a logit gap of 0.01
+# becomes 100), and far lower (1e-45) logits / temperature overflow to inf: the draw gives token 0.
+MIN_TEMPERATURE = 1e-4
+
+# What the program reads from generation_config.json: each key's test, and what it should be.
+GENERATION_KEYS = {
+    "temperature": (lambda t: is_number(t) and (t == 0 or t >= MIN_TEMPERATURE),
+                    f"0 (greedy) or at least {MIN_TEMPERATURE}"),
+    "top_k": (lambda k: is_number(k, int) and k >= 0, "an integer >= 0 (0 = off)"),
+    "top_p": (lambda p: is_number(p) and 0 < p <= 1, "a number in (0, 1]"),
+    "min_p": (lambda p: is_number(p) and 0 <= p <= 1, "a number in [0, 1]"),
+    "eos_token_id": (lambda ids: all(is_number(i, int) and i >= 0 for i in
+                                     (ids if isinstance(ids, list) else [ids])),
+                     "a token id (an integer >= 0) or a list of them"),
+}
 
 
 def load_generation_config(model_dir):
@@ -998,7 +1061,13 @@ def load_generation_config(model_dir):
         raise UserError(f"cannot read {path} ({e}); delete or re-download it")
     if not isinstance(generation_config, dict):
         raise UserError(f"{path} is not a JSON object; delete or re-download it")
-    return {key: value for key, value in generation_config.items() if value is not None}  # null
+    generation_config = {key: value for key, value in generation_config.items()
+                         if value is not None}  # null: unset
+    for key, (fits, expected) in GENERATION_KEYS.items():
+        if key in generation_config and not fits(generation_config[key]):
+            raise UserError(f"{path}: {key!r} should be {expected}, got "
+                            f"{json.dumps(generation_config[key])}; fix it or delete the file")
+    return generation_config
 
 
 def eos_token_ids(generation_config, tokenizer):
@@ -1032,9 +1101,10 @@ def load_model(model_dir, dtype, bits=None):
     if bits and stored_bits and bits != stored_bits:
         raise UserError(f"{model_dir} is already quantized to {stored_bits} bits; drop --quantize "
                         "or point --model at the unquantized model")
+    check_weights(model_dir, config)  # first: the memory needed is computed from config.json
     group_size = quantization.get("group_size", GROUP_SIZE)
-    check_memory(weight_bytes(config, dtype, bits or stored_bits, group_size), memory_size(), dtype)
-    check_weights(model_dir, config)
+    check_memory(weight_bytes(config, dtype, bits or stored_bits, group_size), memory_size(), dtype,
+                 gpu_working_set())
     path = Path(model_dir) / "tokenizer.json"
     try:
         tokenizer = load_tokenizer(model_dir)
@@ -1140,12 +1210,16 @@ def find_model(model_arg, allow_download):
     else:
         repo = model_arg or HF_REPO
         model_dir = repo_dir(repo) if model_arg else default_model_dir()
-    present = {name for name in (*NEEDED_FILES, WEIGHTS_INDEX) if (model_dir / name).is_file()}
+    # exists(), not is_file(): a directory in a file's place is reported as unreadable when read,
+    # rather than as missing (a download would then fail writing over it).
+    present = {name for name in (*NEEDED_FILES, WEIGHTS_INDEX) if (model_dir / name).exists()}
     missing = missing_files(present)
     if not missing:
         return model_dir
     if model_dir.is_dir():
         what = f"{model_dir} lacks {', '.join(missing)}"
+    elif model_dir.exists():  # say, --model Qwen3-0.6B/config.json
+        what = f"{model_dir} is a file, not a model folder"
     else:
         what = f"model folder {model_dir} not found"
     if repo is None:
@@ -1326,6 +1400,24 @@ def number(kind, low=None, high=None, low_open=False):
     return parse
 
 
+def temperature(text):
+    """An argparse type for --temperature: 0 (greedy), or at least MIN_TEMPERATURE."""
+    value = number(float, 0)(text)
+    if 0 < value < MIN_TEMPERATURE:
+        raise argparse.ArgumentTypeError(f"must be 0 or at least {MIN_TEMPERATURE}, got {text}; "
+                                         "use 0 for greedy")
+    return value
+
+
+def model_name(text):
+    """An argparse type for --model: a folder or a repo id. An empty one (a shell variable that was
+    never set?) would otherwise mean the default model, and a 1.5 GB download."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty; give a model folder, or a repo id such as "
+                                         f"{HF_REPO}")
+    return text
+
+
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of argparse's usage block; exit code 2 as usual
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -1338,7 +1430,7 @@ def parse_args(argv):
     ap.add_argument("--max-tokens", type=number(int, 1),
                     help=f"stop after this many new tokens (100; {CHAT_MAX_TOKENS} with --chat, at "
                     "most half the context)")
-    ap.add_argument("--temperature", type=number(float, 0),
+    ap.add_argument("--temperature", type=temperature,
                     help="0 = greedy (default; with --chat 0.6, or 0.7 with --no-think)")
     ap.add_argument("--top-p", type=number(float, 0, 1, low_open=True),
                     help="nucleus sampling mass (generation_config.json's; 0.8 with --no-think)")
@@ -1350,7 +1442,7 @@ def parse_args(argv):
                     help="lower the logit of tokens already in the reply, against repetition (0)")
     ap.add_argument("--seed", type=number(int, 0, 2**64 - 1),
                     help="random seed for sampling (default: a fresh one)")
-    ap.add_argument("--model",
+    ap.add_argument("--model", type=model_name,
                     help="a model folder, or a Hugging Face repo id such as Qwen/Qwen3-1.7B, "
                     "downloaded once into the folder Qwen/Qwen3-1.7B next to this script "
                     "(default: ./Qwen3-0.6B, else the one next to this script)")
@@ -1364,7 +1456,10 @@ def parse_args(argv):
     ap.add_argument("--hide-think", action="store_true",
                     help="with --chat: show a progress line instead of the reasoning")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                    help="auto = bfloat16 on a GPU, float32 on the CPU")
+                    help="auto = bfloat16 on a GPU, float32 on the CPU. M1/M2 Macs have no "
+                    "bfloat16 arithmetic: float16 runs faster there (29 vs 19 tok/s on an M2 "
+                    "Ultra), but Qwen3 can overflow it. On CUDA and M5 Macs, MLX multiplies "
+                    "float32 with TF32 (less precise) unless MLX_ENABLE_TF32=0 is set")
     ap.add_argument("--quantize", type=int, choices=[4, 8], metavar="{4,8}",
                     help="store the weights in 4 or 8 bits, as mlx_lm.convert does: less memory "
                          "(what it does to speed: README, Quantization)")
@@ -1387,6 +1482,8 @@ def parse_args(argv):
                             ("--no-cache", args.no_cache)):
             if given:
                 ap.error(f"{flag} needs a single message: add --prompt to --chat")
+    if args.trace and args.top_probs:  # the trace computes no reply, and shows its own top 5
+        ap.error("--top-probs does not apply to --trace, which ends with the 5 likeliest tokens")
     return args
 
 
@@ -1436,6 +1533,22 @@ def describe(sampling, min_p, presence_penalty):
 
 
 # --- Showing a reply, and the chat loop -----------------------------------------------------------
+
+def plural(n, word):
+    """'1 token', '2 tokens'."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def rate(n, seconds):
+    """', 12.3 tok/s' for n tokens in `seconds`; nothing when no token was timed (a decode rate
+    counts the tokens after the first: one token gives none)."""
+    return f", {n / seconds:.1f} tok/s" if n > 0 and seconds > 0 else ""
+
+
+def shortened(text, limit=60):
+    """The start of a long text, for a one-line header: a prompt may be a whole file."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
 
 class ReplyPrinter:
     """Writes a reply to stdout as its tokens arrive. On a terminal, Qwen3's <think>...</think>
@@ -1517,21 +1630,38 @@ def read_message(interactive):
 
 def make_room(chat, message, max_tokens):
     """Forget the oldest turns until the conversation, the new message and a whole reply fit in
-    the context; say so on stderr. A message too long even alone is a UserError. Once the context
-    is full, each turn drops the oldest and prefills the whole conversation again: slower turns."""
-    context, dropped = chat.config.max_position_embeddings, 0
+    the context; say so on stderr. A message too long even alone is a UserError, and leaves the
+    conversation as it was. Once the context is full, each turn drops the oldest and prefills the
+    whole conversation again: slower turns."""
+    context, turns, dropped = chat.config.max_position_embeddings, chat.turns, 0
     n_prompt = len(chat.prompt_ids(message))
-    while n_prompt + max_tokens > context and chat.turns:
-        del chat.turns[0]  # the cache rolls back to the system message and prefills the rest
-        dropped += 1
-        n_prompt = len(chat.prompt_ids(message))
-    if n_prompt + max_tokens > context:
-        raise UserError(f"this message makes a {n_prompt}-token prompt; with --max-tokens "
-                        f"{max_tokens} that exceeds the model's {context}-token context: "
-                        "shorten it")
+    try:
+        while n_prompt + max_tokens > context and dropped < len(turns):
+            dropped += 1
+            # Without the oldest turns (the cache rolls back to the system message, then prefills).
+            chat.turns = turns[dropped:]
+            n_prompt = len(chat.prompt_ids(message))
+        if n_prompt + max_tokens > context:
+            raise UserError(f"this message makes a {n_prompt}-token prompt; with --max-tokens "
+                            f"{max_tokens} that exceeds the model's {context}-token context: "
+                            "shorten it")
+    except BaseException:  # refused, or Ctrl-C while counting: the earlier turns stay
+        chat.turns = turns
+        raise
     if dropped:
         print(f"(the conversation outgrew the {context}-token context: forgot the oldest "
               f"{dropped} turn{'s' if dropped > 1 else ''})", file=sys.stderr)
+
+
+def check_chat_max_tokens(tokenizer, system, think, context, max_tokens):
+    """--chat: refuse at start-up a --max-tokens that leaves no room in the context for a message
+    (make_room would refuse every one)."""
+    n_format = len(tokenize(tokenizer, chat_prompt("", system, think)))  # all but the message
+    if n_format + max_tokens >= context:  # >=: a message adds at least one token
+        system_too = " and --system" if system else ""
+        raise UserError(f"--max-tokens {max_tokens} leaves no room for a message in the model's "
+                        f"{context}-token context (the chat format{system_too} takes {n_format} "
+                        f"tokens); lower --max-tokens{' or shorten --system' if system else ''}")
 
 
 def stream(tokens, printer, on_first_logits=None):
@@ -1548,6 +1678,9 @@ def stream(tokens, printer, on_first_logits=None):
             printer.add(token_id)  # <|im_end|> prints nothing
     except KeyboardInterrupt:
         interrupted = True
+        # generate() queues the next step before yielding a token: let it finish before the program
+        # exits or goes on (quitting with GPU work queued has crashed other MLX programs).
+        mx.synchronize()
     finally:
         tokens.close()  # for Chat.reply: the (partial) reply joins the history now
     end = time.perf_counter()
@@ -1593,11 +1726,11 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_pick=lambda: 
         turn += 1
         n = len(chat.turns[-1][1])  # the reply as the history keeps it (without <|im_end|>)
         prefill = chat.prefilled / prefill_s if printer.n_tokens else 0.0
-        decode = (printer.n_tokens - 1) / decode_s if printer.n_tokens > 1 else 0.0
         thinking = f", {printer.n_thinking} thinking" if printer.n_thinking else ""
         print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: {chat.reused} tokens reused "
-              f"from the cache, {chat.prefilled} prefilled at {prefill:.1f} tok/s | Reply: {n} "
-              f"tokens{thinking}, {decode:.1f} tok/s", file=sys.stderr)
+              f"from the cache, {chat.prefilled} prefilled at {prefill:.1f} tok/s | Reply: "
+              f"{plural(n, 'token')}{thinking}{rate(printer.n_tokens - 1, decode_s)}",
+              file=sys.stderr)
 
 
 def main(argv=None):
@@ -1614,13 +1747,16 @@ def main(argv=None):
     ignored = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
                                         ("--min-p", args.min_p)) if value is not None]
     if greedy and ignored:
-        print(f"warning: {', '.join(ignored)} only matter when sampling; greedy decoding "
-              "ignores them (add --temperature)", file=sys.stderr)
+        one = len(ignored) == 1
+        print(f"warning: {', '.join(ignored)} only matter{'s' if one else ''} when sampling; "
+              f"greedy decoding ignores {'it' if one else 'them'} (add --temperature)",
+              file=sys.stderr)
     model_dir = find_model(args.model, allow_download=not args.no_download)
     if args.chat:
         check_chat_template(model_dir)
     dtype = pick_dtype(args.dtype)
     config, weights, tokenizer, generation_config = load_model(model_dir, dtype, args.quantize)
+    wire_weights(weights)
     bits = args.quantize or stored_quantization(model_dir).get("bits")
     eos_ids = eos_token_ids(generation_config, tokenizer)
     sampling, min_p, presence_penalty = sampling_settings(args, generation_config)
@@ -1639,9 +1775,11 @@ def main(argv=None):
             raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens "
                             f"{max_tokens} that exceeds the model's {context}-token context: "
                             "shorten it or lower --max-tokens")
+    else:  # a whole reply must fit beside each message
+        check_chat_max_tokens(tokenizer, system, not args.no_think, context, max_tokens)
 
     c = config
-    print(f"Model: {model_dir.name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
+    print(f"Model: {model_dir.resolve().name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
           f"{c.num_attention_heads} Q heads, {c.num_key_value_heads} KV heads) on {device_name()}, "
           f"{str(dtype).split('.')[-1]}{f', {bits}-bit weights' if bits else ''}",
           file=sys.stderr)
@@ -1657,7 +1795,8 @@ def main(argv=None):
         chat_loop(chat, max_tokens, sampling, eos_ids, args.hide_think, new_pick)
         return 0
 
-    print(f"Prompt: {prompt!r} ({len(prompt_ids)} tokens), {how}", file=sys.stderr)
+    print(f"Prompt: {shortened(prompt)!r} ({plural(len(prompt_ids), 'token')}), {how}",
+          file=sys.stderr)
     if args.trace:
         trace(prompt_ids, weights, config, tokenizer)
         return 0
@@ -1669,10 +1808,9 @@ def main(argv=None):
     tokens = run(prompt_ids, weights, config, max_tokens, sampling, eos_ids, pick=new_pick())
     interrupted, prefill_s, decode_s = stream(tokens, printer, top_probs)
     n_generated = printer.n_tokens
-    prefill_rate = len(prompt_ids) / prefill_s if n_generated else 0.0
-    decode_rate = (n_generated - 1) / decode_s if n_generated > 1 else 0.0
-    print(f"{'Interrupted. ' if interrupted else ''}Prompt: {len(prompt_ids)} tokens, "
-          f"{prefill_rate:.1f} tok/s | Generated: {n_generated} tokens, {decode_rate:.1f} tok/s | "
+    print(f"{'Interrupted. ' if interrupted else ''}Prompt: {plural(len(prompt_ids), 'token')}"
+          f"{rate(len(prompt_ids) if n_generated else 0, prefill_s)} | Generated: "
+          f"{plural(n_generated, 'token')}{rate(n_generated - 1, decode_s)} | "
           f"Total: {prefill_s + decode_s:.2f} s | Peak memory: "
           f"{mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr)
     return 130 if interrupted else 0
@@ -1685,6 +1823,7 @@ if __name__ == "__main__":
         print(f"llm_inference.py: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C while loading: no traceback
+        mx.synchronize()  # nothing left queued on the GPU at exit, as after Ctrl-C in stream()
         print("\nInterrupted.", file=sys.stderr)
         sys.exit(130)
     except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as Unix tools do

@@ -151,6 +151,50 @@ def test_a_rewritten_history_rolls_the_cache_back_to_where_it_differs(model):
     assert mx.allclose(logits, from_scratch(model, prompt), atol=1e-4, rtol=1e-4)
 
 
+def short_context_chat(model, context=80):
+    folder, config, weights, tokenizer = model
+    chat = li.Chat(weights, config._replace(max_position_embeddings=context), tokenizer)
+    chat.turns = [("One", ids(model, "The first answer.")), ("Two", ids(model, "The second answer."))]
+    return chat
+
+
+def test_a_message_refused_as_too_long_leaves_the_conversation_as_it_was(model, capsys):
+    chat = short_context_chat(model)
+    before = [(message, list(reply)) for message, reply in chat.turns]
+    with pytest.raises(li.UserError, match="exceeds the model's 80-token context: shorten it"):
+        li.make_room(chat, "x " * 100, 10)
+    assert chat.turns == before  # not one turn dropped on the way to the refusal
+    assert capsys.readouterr().err == ""  # nor said to be
+    li.make_room(chat, "Three", 10)  # the next message goes on from the whole conversation
+    assert chat.turns == before
+
+
+def test_a_message_that_needs_room_drops_only_the_oldest_turns(model, capsys):
+    chat = short_context_chat(model)
+    need = len(chat.prompt_ids("Three"))
+    li.make_room(chat, "Three", 80 - need + 1)  # one token too many: the oldest turn goes
+    assert [message for message, _ in chat.turns] == ["Two"]
+    assert "forgot the oldest 1 turn)" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_making_room_leaves_the_conversation_as_it_was(model, monkeypatch):
+    chat = short_context_chat(model)
+    before = list(chat.turns)
+    renderings = []
+
+    def interrupted(message):  # the first rendering is too long; Ctrl-C lands in the second
+        renderings.append(len(chat.turns))
+        if len(renderings) == 2:
+            raise KeyboardInterrupt
+        return li.Chat.prompt_ids(chat, message)
+
+    monkeypatch.setattr(chat, "prompt_ids", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        li.make_room(chat, "Three", 70)
+    assert renderings == [2, 1]  # interrupted after dropping the oldest turn ...
+    assert chat.turns == before  # ... which is back
+
+
 def test_ctrl_c_inside_a_step_leaves_a_usable_cache(model, monkeypatch):
     """Ctrl-C can land while a step runs through the layers: some layers' caches then hold one more
     position than others. The next turn must still see exactly the conversation."""

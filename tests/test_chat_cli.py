@@ -37,7 +37,7 @@ from tests.test_cli import (  # noqa: F401 (fixtures)
 )
 
 TURN = re.compile(r"^(Interrupted\. )?Turn (\d+): (\d+) tokens reused from the cache, (\d+) prefilled "
-                  r"at [\d.]+ tok/s \| Reply: (\d+) tokens(, \d+ thinking)?, [\d.]+ tok/s$")
+                  r"at [\d.]+ tok/s \| Reply: (\d+) tokens?(, \d+ thinking)?(?:, [\d.]+ tok/s)?$")
 GREEDY_WARNING = "warning: Qwen advises against greedy decoding"
 
 
@@ -379,6 +379,18 @@ def test_filters_given_without_sampling_are_said_to_be_ignored(tiny_model, tmp_p
     rc, _, err = run_cli("--model", tiny_model, "--prompt", "Hi", "--max-tokens", 2, "--top-k", 5,
                          "--temperature", "0.5", cwd=tmp_path)
     assert rc == 0 and "warning" not in err
+    rc, _, err = run_cli("--model", tiny_model, "--prompt", "Hi", "--max-tokens", 2, "--top-p", "0.5",
+                         cwd=tmp_path)
+    assert rc == 0
+    assert err.splitlines()[0] == ("warning: --top-p only matters when sampling; greedy decoding ignores it "
+                                   "(add --temperature)")
+
+
+def test_a_one_token_reply_is_counted_in_the_singular(tiny_model, tmp_path):
+    rc, _, err = run_cli("--model", tiny_model, "--chat", "--max-tokens", 1, cwd=tmp_path, stdin=b"Hi\n")
+    assert rc == 0, err
+    (turn,) = [line for line in err.splitlines() if line.startswith("Turn 1: ")]
+    assert turn.endswith(" | Reply: 1 token"), turn  # no "1 tokens, 0.0 tok/s"
 
 
 def test_ctrl_c_before_a_reply_begins_leaves_the_chat_as_it_was(tiny_model, reference, monkeypatch,
@@ -401,3 +413,41 @@ def test_ctrl_c_before_a_reply_begins_leaves_the_chat_as_it_was(tiny_model, refe
     assert err[0] == "Interrupted."
     assert [int(t[2]) for t in turn_lines("\n".join(err))] == [1]  # "Hello" was answered
     assert [message for message, _ in chat.turns] == ["Hello"]
+
+
+def test_ctrl_c_waits_for_the_queued_step(reference, monkeypatch, capsys):
+    """generate() queues step n+1 before yielding token n: after Ctrl-C, stream() (which main and the chat
+    loop both read replies through) waits for it (mx.synchronize) before anything else happens."""
+    events = []
+    monkeypatch.setattr(li.mx, "synchronize", lambda *stream: events.append("synchronize"))
+    tokens = li.generate(reference.ids("The capital of France is"), reference.weights, reference.config, 50)
+
+    def interrupted_after_two():
+        for n, (token_id, logits) in enumerate(tokens):
+            events.append(token_id)
+            if n == 1:
+                raise KeyboardInterrupt
+            yield token_id, logits
+
+    interrupted, _, _ = li.stream(interrupted_after_two(), li.ReplyPrinter(reference.tokenizer, False))
+    assert interrupted
+    assert len(events) == 3 and events[2] == "synchronize"  # two tokens, then the wait
+
+
+@pytest.mark.parametrize("max_tokens", [8, 16, 40])
+def test_chat_max_tokens_leaving_no_room_for_a_message_is_refused_at_start(tiny_model, variant, tmp_path,
+                                                                           max_tokens):
+    """Before: every message was refused ("shorten it") and the chat ended with exit code 0."""
+    config = json.loads((tiny_model / "config.json").read_text()) | {"max_position_embeddings": 16}
+    folder = variant("short-context", config_json=config)
+    assert_one_line_error(run_cli("--model", folder, "--chat", "--max-tokens", max_tokens, cwd=tmp_path,
+                                  stdin=b"Hi\n"), 1, f"--max-tokens {max_tokens} leaves no room for a message",
+                          "16-token context", "lower --max-tokens")
+
+
+def test_chat_max_tokens_leaving_room_for_a_short_message_runs(tiny_model, variant, tmp_path):
+    config = json.loads((tiny_model / "config.json").read_text()) | {"max_position_embeddings": 16}
+    folder = variant("short-context", config_json=config)
+    # The chat format takes 8 tokens, "Hi" 1 more: 7 are left for the reply (8 leave none for any text).
+    rc, out, err = run_cli("--model", folder, "--chat", "--max-tokens", 7, cwd=tmp_path, stdin=b"Hi\n")
+    assert rc == 0 and [int(t[2]) for t in turn_lines(err)] == [1], err

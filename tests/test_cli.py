@@ -32,8 +32,8 @@ from tests.checkpoint import TINY_CONFIG, write_checkpoint
 
 SCRIPT = Path(li.__file__).resolve()
 PROMPT = "The capital of France is"  # 5 tokens with Qwen's tokenizer
-STATS = re.compile(
-    r"Prompt: (\d+) tokens, [\d.]+ tok/s \| Generated: (\d+) tokens, [\d.]+ tok/s \| "
+STATS = re.compile(  # a rate is left out where there is none (no token generated; one: no decode rate)
+    r"Prompt: (\d+) tokens?(?:, [\d.]+ tok/s)? \| Generated: (\d+) tokens?(?:, [\d.]+ tok/s)? \| "
     r"Total: [\d.]+ s \| Peak memory: [\d.]+ GB$"
 )
 ERROR_PREFIX = "llm_inference.py: error: "
@@ -97,6 +97,15 @@ def parse_success(result):
     stats = STATS.search(lines[-1])
     assert stats and lines[-1].startswith("Prompt: "), lines[-1]
     return out[:-1], lines, int(stats[1]), int(stats[2])
+
+
+def test_tf32_is_off_in_the_tests_and_their_subprocesses(tmp_path):
+    """tests/conftest.py keeps float32 products in full precision on CUDA and M5 Macs (MLX_ENABLE_TF32=0):
+    in this process, and in every script the tests run, as they all run with cli_env()."""
+    assert os.environ.get("MLX_ENABLE_TF32") == "0"
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('MLX_ENABLE_TF32'))"],
+                          env=cli_env(tmp_path / ".hf-home"), capture_output=True, text=True, timeout=60)
+    assert proc.stdout == "0\n", proc.stderr
 
 
 # ------------------------------------------------------------------------------------------------
@@ -279,9 +288,40 @@ def test_quantize(tiny_model, greedy_24, tmp_path, bits):
 
 
 def test_max_tokens_one(tiny_model, reference, tmp_path):
-    text, _, n_prompt, n_generated = parse_success(run_cli("--model", tiny_model, "--max-tokens", 1, cwd=tmp_path))
+    text, lines, n_prompt, n_generated = parse_success(run_cli("--model", tiny_model, "--max-tokens", 1,
+                                                               cwd=tmp_path))
     assert (n_prompt, n_generated) == (5, 1)
     assert text == reference.tokenizer.decode(reference.generate(PROMPT, 1), skip_special_tokens=True)
+    # One token: no decode rate (it counts the tokens after the first), rather than "0.0 tok/s".
+    assert re.match(r"Prompt: 5 tokens, [\d.]+ tok/s \| Generated: 1 token \| Total", lines[-1]), lines[-1]
+
+
+def test_a_one_token_prompt_is_one_token(tiny_model, reference, tmp_path):
+    assert len(reference.ids("Hi")) == 1
+    _, lines, _, _ = parse_success(run_cli("--model", tiny_model, "--prompt", "Hi", "--max-tokens", 2,
+                                           cwd=tmp_path))
+    assert lines[1] == "Prompt: 'Hi' (1 token), greedy"
+    assert re.match(r"Prompt: 1 token, [\d.]+ tok/s \| Generated: 2 tokens, [\d.]+ tok/s \| ", lines[-1])
+
+
+def test_a_long_prompt_is_shortened_in_the_header(tiny_model, reference, tmp_path):
+    prompt = "All work and no play makes Jack a dull boy. " * 500  # 22 KB, as from a file on stdin
+    _, lines, n_prompt, _ = parse_success(run_cli("--model", tiny_model, "--prompt", "-", "--max-tokens", 2,
+                                                  stdin=prompt.encode(), cwd=tmp_path))
+    assert n_prompt == len(reference.ids(prompt))  # all of it read
+    assert lines[1] == f"Prompt: {prompt[:60] + '…'!r} ({n_prompt} tokens), greedy"
+
+
+def test_model_dot_is_named_after_its_folder(variant, tmp_path):
+    folder = variant("my-qwen")
+    _, lines, _, _ = parse_success(run_cli("--model", ".", "--max-tokens", 2, cwd=folder))
+    assert lines[0].startswith("Model: my-qwen (2 layers, "), lines[0]
+
+
+def test_model_path_to_a_file(tiny_model, tmp_path):
+    path = tiny_model / "config.json"
+    assert_one_line_error(run_cli("--model", path, cwd=tmp_path), 1, f"{path} is a file, not a model folder",
+                          "point --model at a folder")
 
 
 def test_context_limit_is_inclusive(tiny_model, variant, tmp_path):
@@ -300,7 +340,8 @@ def test_no_cache_and_no_compile_give_the_same_greedy_text(tiny_model, greedy_24
 
 @pytest.mark.parametrize("flags", [[], ["--no-compile"]], ids=["compiled", "not compiled"])
 def test_trace_narrates_one_forward_pass(tiny_model, reference, tmp_path, flags):
-    rc, out, err = run_cli("--model", tiny_model, "--trace", *flags, cwd=tmp_path)
+    # float32 by name: --dtype auto is bfloat16 on a GPU.
+    rc, out, err = run_cli("--model", tiny_model, "--trace", "--dtype", "float32", *flags, cwd=tmp_path)
     assert rc == 0 and out == "" and "Traceback" not in err, err
     lines = err.splitlines()
     assert "tokens: 5 ids [785, 6722, 315, 9625, 374]" in lines
@@ -318,7 +359,7 @@ def test_trace_narrates_one_forward_pass(tiny_model, reference, tmp_path, flags)
     assert len(done) == c.num_hidden_layers and all(done), done
     # The top-5 table ends the trace, headed by greedy's first token, which the last block's lens shows.
     table = lines[lines.index("rank  token                 id  probability") + 1:]
-    first = reference.generate(PROMPT, 1)[0]
+    first = Reference(tiny_model, mx.float32).generate(PROMPT, 1)[0]  # float32, as traced
     assert len(table) == 5 and int(table[0].split()[-2]) == first
     lens_token, lens_probability = done[-1].groups()
     assert ast.literal_eval(lens_token) == reference.tokenizer.decode([first])
@@ -330,6 +371,14 @@ def test_trace_shows_special_tokens_as_they_are(tiny_model, tmp_path):
     assert rc == 0, err
     pieces = err.splitlines()[err.splitlines().index(next(l for l in err.splitlines() if l.startswith("tokens:"))) + 1]
     assert pieces.split()[:3] == ["'<|im_start|>'", "'user'", "'\\n'"], pieces
+
+def test_help_says_what_each_dtype_costs(tmp_path):
+    rc, out, err = run_cli("--help", cwd=tmp_path)
+    assert rc == 0 and err == ""
+    dtype = " ".join(out.split("--dtype {auto,bfloat16,float16,float32}")[-1].split())
+    assert "M1/M2 Macs have no bfloat16 arithmetic: float16 runs faster there" in dtype
+    assert "Qwen3 can overflow it" in dtype
+    assert "On CUDA and M5 Macs, MLX multiplies float32 with TF32 (less precise) unless MLX_ENABLE_TF32=0" in dtype
 
 
 def test_prompt_argument_not_utf8_fails_before_loading(tmp_path):
@@ -369,6 +418,7 @@ BAD_FLAGS = [
     (["--seed", "abc"], ["--seed", "abc"]),
     (["--seed", "-1"], ["--seed", "-1"]),
     (["--temperature", "nan"], ["--temperature", "finite"]),
+    (["--temperature", "1e-45"], ["--temperature", "at least 0.0001", "use 0 for greedy"]),  # printed token 0
     (["--top-p", "inf"], ["--top-p", "finite"]),
     (["--top-probs", "0"], ["--top-probs", "0"]),
     (["--dtype", "int8"], ["--dtype", "int8"]),
@@ -378,6 +428,8 @@ BAD_FLAGS = [
     (["--system", ""], ["--system", "--chat"]),
     (["--no-think"], ["--no-think", "--chat"]),
     (["--bogus"], ["--bogus"]),
+    (["--model", ""], ["--model", "is empty", "repo id"]),  # meant the default, and a 1.5 GB download
+    (["--trace", "--top-probs", "3"], ["--top-probs", "--trace"]),  # the trace showed 5 rows all the same
 ]
 
 
@@ -402,19 +454,13 @@ def test_needed_file_missing(variant, tmp_path, filename):
 
 @pytest.mark.parametrize("filename", [*li.NEEDED_FILES, "generation_config.json"])
 def test_file_unreadable(variant, tmp_path, filename):
-    """A file that exists but cannot be read. chmod 000 does not stop root (CI runs as root), so the file is a
-    symlink to /proc/self/mem: a regular file that opens, and whose first read fails with EIO (nothing is
-    mapped at address 0), for root too."""
+    """A file that exists but cannot be read. chmod 000 does not stop root (CI runs as root), and
+    /proc/self/mem is Linux's; a directory in the file's place is refused by open() or read() with
+    EISDIR on Linux and macOS alike, for root too, and is reported as unreadable, not as missing."""
     folder = variant(**{filename.replace(".", "_"): None})
-    (folder / filename).symlink_to("/proc/self/mem")
+    (folder / filename).mkdir()
     line = assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, str(folder / filename))
-    assert re.search(r"cannot (read|load)|not a readable", line), line
-
-
-def test_generation_config_is_a_directory(variant, tmp_path):
-    folder = variant(generation_config_json=None)
-    (folder / "generation_config.json").mkdir()
-    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, f"cannot read {folder / 'generation_config.json'}")
+    assert re.search(r"cannot (read|load)", line) and "directory" in line, line
 
 
 def test_config_not_json(variant, tmp_path):
@@ -474,16 +520,26 @@ def test_chat_template_file_unreadable(variant, tmp_path):
                           f"cannot read {folder / 'tokenizer_config.json'}")
 
 
-def test_weights_too_big_for_memory(tiny_model, variant, tmp_path):
-    """A feed-forward so wide its float32 weights need 1.5 PB: refused before any weight is read (the file's
-    tensors do not even have these shapes)."""
-    folder = variant(config_json=tiny_config(tiny_model) | {"intermediate_size": 10**12})
-    needed = 2 * 3 * 64 * 10**12 * 4 + (151936 * 64 + 2 * (2 * 64 + 4 * 16 * 64 + 2 * 2 * 16 * 64 + 2 * 16)
-                                        + 64) * 4
-    line = assert_one_line_error(run_cli("--model", folder, "--dtype", "float32", cwd=tmp_path), 1,
-                                 f"the weights need {needed / 1e9:.1f} GB as float32", "--dtype bfloat16",
-                                 "--quantize 4", "smaller model")
-    assert f"{li.memory_size() / 1e9:.1f} GB of memory" in line
+def test_config_and_weights_disagreeing_is_said_before_the_memory_they_would_need(tiny_model, variant, tmp_path):
+    """A feed-forward so wide (in config.json only) that its weights would need 15 TB: the mismatch with the
+    checkpoint is the problem to report, not the memory (whose advice, --quantize 4, would not help)."""
+    folder = variant(config_json=tiny_config(tiny_model) | {"intermediate_size": 10**10})
+    line = assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
+                                 "'model.layers.0.mlp.gate_proj.weight' has shape (128, 64)",
+                                 "expected (10000000000, 64)")
+    assert "GB" not in line
+
+
+def test_weights_too_big_for_memory(tiny_model, monkeypatch):
+    """Refused before any weight is read, in one line with what to try (here a machine of 10 MB: the
+    tiny model's float32 weights are 39 MB; a model that big could not be built for the test)."""
+    monkeypatch.setattr(li, "memory_size", lambda: 10**7)
+    with pytest.raises(li.UserError) as error:
+        li.load_model(tiny_model, mx.float32)
+    needed = li.weight_bytes(li.load_config(tiny_model), mx.float32)
+    assert str(error.value) == (f"the weights need {needed / 1e9:.1f} GB as float32, but this machine has "
+                                "0.0 GB of memory; try --dtype bfloat16 (half the bytes), --quantize 4, or a "
+                                "smaller model")
 
 
 def test_config_missing_key(tiny_model, variant, tmp_path):
@@ -495,7 +551,84 @@ def test_config_missing_key(tiny_model, variant, tmp_path):
 
 def test_config_value_not_a_number(tiny_model, variant, tmp_path):
     folder = variant(config_json=tiny_config(tiny_model) | {"hidden_size": "wide"})
-    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "'hidden_size'", "'wide'")
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "'hidden_size'", '"wide"')
+
+
+# Each ran before (true as 1 layer of 2, 2.7 as 2, "64" as 64) or printed garbage (rope_theta 0 or NaN,
+# rms_norm_eps -1). Counts must be JSON integers: 2.0 is refused too, as transformers' layers would be.
+BAD_CONFIG_VALUES = [
+    ("num_hidden_layers", True, "a positive integer", "true"),
+    ("num_hidden_layers", 0, "a positive integer", "0"),
+    ("num_hidden_layers", -1, "a positive integer", "-1"),
+    ("num_hidden_layers", 2.7, "a positive integer", "2.7"),
+    ("num_hidden_layers", 2.0, "a positive integer", "2.0"),
+    ("hidden_size", "64", "a positive integer", '"64"'),
+    ("vocab_size", None, "lacks the required key", "'vocab_size'"),
+    ("max_position_embeddings", [40960], "a positive integer", "[40960]"),
+    ("rope_theta", 0, "a positive number", "0"),
+    ("rope_theta", float("nan"), "a positive number", "NaN"),
+    ("rope_theta", float("inf"), "a positive number", "Infinity"),
+    ("rope_theta", "1e6", "a positive number", '"1e6"'),
+    ("rms_norm_eps", -1, "a positive number", "-1"),
+    ("rms_norm_eps", False, "a positive number", "false"),
+    ("tie_word_embeddings", "yes", "true or false", '"yes"'),
+    ("tie_word_embeddings", 1, "true or false", "1"),
+]
+
+
+@pytest.mark.parametrize("key, value, expected, shown", BAD_CONFIG_VALUES,
+                         ids=[f"{key}={value!r}" for key, value, _, _ in BAD_CONFIG_VALUES])
+def test_config_value_of_the_wrong_type_or_range(tiny_model, variant, tmp_path, key, value, expected, shown):
+    folder = variant(config_json=tiny_config(tiny_model) | {key: value})
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, str(folder / "config.json"),
+                          f"{key!r}", expected, shown)
+
+
+def test_config_query_heads_not_a_multiple_of_kv_heads(tiny_model, variant, tmp_path):
+    folder = variant(config_json=tiny_config(tiny_model) | {"num_key_value_heads": 3})  # 4 query heads
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "'num_attention_heads' (4)",
+                          "a multiple of 'num_key_value_heads' (3)")
+
+
+# Each gave a traceback before ("top_k": "x" even when greedy, "temperature": "hot" with --chat,
+# "eos_token_id": {"a": 1} always), or ran degenerate ("temperature": 1e-45 printed token 0).
+BAD_GENERATION_VALUES = [
+    ("top_k", "x", "an integer >= 0", '"x"'),
+    ("top_k", -1, "an integer >= 0", "-1"),
+    ("top_k", 20.5, "an integer >= 0", "20.5"),
+    ("top_k", True, "an integer >= 0", "true"),
+    ("temperature", "hot", "0 (greedy) or at least 0.0001", '"hot"'),
+    ("temperature", -0.5, "0 (greedy) or at least 0.0001", "-0.5"),
+    ("temperature", 1e-45, "0 (greedy) or at least 0.0001", "1e-45"),
+    ("temperature", float("nan"), "0 (greedy) or at least 0.0001", "NaN"),
+    ("top_p", 0, "a number in (0, 1]", "0"),
+    ("top_p", 1.5, "a number in (0, 1]", "1.5"),
+    ("top_p", "0.9", "a number in (0, 1]", '"0.9"'),
+    ("min_p", -0.1, "a number in [0, 1]", "-0.1"),
+    ("min_p", 2, "a number in [0, 1]", "2"),
+    ("eos_token_id", {"a": 1}, "a token id", '{"a": 1}'),
+    ("eos_token_id", "151645", "a token id", '"151645"'),
+    ("eos_token_id", [151645, -1], "a token id", "[151645, -1]"),
+    ("eos_token_id", [151645, None], "a token id", "[151645, null]"),
+]
+
+
+@pytest.mark.parametrize("key, value, expected, shown", BAD_GENERATION_VALUES,
+                         ids=[f"{key}={value!r}" for key, value, _, _ in BAD_GENERATION_VALUES])
+def test_generation_config_value_of_the_wrong_type_or_range(tiny_model, variant, tmp_path, key, value, expected,
+                                                             shown):
+    generation_config = json.loads((tiny_model / "generation_config.json").read_text()) | {key: value}
+    folder = variant(generation_config_json=generation_config)
+    assert_one_line_error(run_cli("--model", folder, "--max-tokens", 2, cwd=tmp_path), 1,
+                          str(folder / "generation_config.json"), f"{key!r} should be {expected}", f"got {shown}",
+                          "delete the file")
+
+
+def test_generation_config_temperature_not_a_number_in_chat(tiny_model, variant, tmp_path):
+    """--chat is where the temperature is read (a traceback there before): refused at start-up too."""
+    generation_config = json.loads((tiny_model / "generation_config.json").read_text()) | {"temperature": "hot"}
+    folder = variant(generation_config_json=generation_config)
+    assert_one_line_error(run_cli("--model", folder, "--chat", cwd=tmp_path), 1, "'temperature'", '"hot"')
 
 
 @pytest.mark.parametrize("key, value", [

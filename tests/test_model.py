@@ -263,3 +263,65 @@ def test_memory_size_is_this_machines_memory():
         with open("/proc/meminfo") as f:  # Linux's own count, in KiB, independent of os.sysconf
             total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
     assert abs(li.memory_size() - total) < 0.05 * total
+
+
+def test_memory_check_on_a_mac_compares_with_the_gpus_working_set():
+    """Qwen3-8B in bfloat16 (16.4 GB) on a 16 GB Mac fits the memory, not the 10.7 GB its GPU may use."""
+    li.check_memory(10 * 10**9, 17.2e9, mx.bfloat16, working_set=10.7e9)  # within the working set: runs
+    with pytest.raises(li.UserError, match=r"^the weights need 16\.4 GB as bfloat16, but this Mac's GPU may use "
+                                           r"only 10\.7 GB of its 17\.2 GB of memory \(Metal's recommended "
+                                           r"working set\); try --quantize 4, or a smaller model$"):
+        li.check_memory(16.4e9, 17.2e9, mx.bfloat16, working_set=10.7e9)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), TINY_CONFIG)
+
+
+@pytest.fixture
+def mac(monkeypatch):
+    """What llm_inference sees of a Mac's GPU, without one: mx.default_device() is the GPU, device_info()
+    has Metal's keys (the returned dict: change them), and set_wired_limit() records its calls."""
+    info = {"memory_size": 16 * 2**30, "max_recommended_working_set_size": 12 * 2**30}
+    wired = []
+    monkeypatch.setattr(li.mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(li.mx, "device_info", lambda: info)
+    monkeypatch.setattr(li.mx, "set_wired_limit", lambda limit: wired.append(limit) or 0)
+    return info, wired
+
+
+def test_on_a_mac_weights_above_the_working_set_are_refused(tiny, mac):
+    info, _ = mac
+    config = li.load_config(tiny)
+    needed = li.weight_bytes(config, mx.float32)  # 39 MB
+    info["max_recommended_working_set_size"] = needed - 1
+    with pytest.raises(li.UserError, match=r"this Mac's GPU may use only .*Metal's recommended working set.*"
+                                           r"--quantize 4"):
+        li.load_model(tiny, mx.float32)
+    info["max_recommended_working_set_size"] = needed
+    li.load_model(tiny, mx.float32)  # just fits
+
+
+def test_on_a_mac_weights_filling_much_of_the_working_set_are_wired(tiny, mac):
+    info, wired = mac
+    config = li.load_config(tiny)
+    weights = li.load_weights(tiny, config, mx.float32)
+    loaded = {id(w): w.nbytes for w in [weights["embed_tokens"], weights["norm"], weights["lm_head"],
+                                        *(w for layer in weights["layers"] for w in layer.values())]}
+    nbytes = sum(loaded.values())  # the tied head once
+    info["max_recommended_working_set_size"] = 2 * nbytes + 1  # less than half: left to macOS
+    li.wire_weights(weights)
+    assert wired == []
+    info["max_recommended_working_set_size"] = 2 * nbytes - 1  # more than half: wired up to the working set
+    li.wire_weights(weights)
+    assert wired == [2 * nbytes - 1]
+
+
+def test_off_a_mac_nothing_is_wired(tiny, monkeypatch):
+    wired = []
+    monkeypatch.setattr(li.mx, "default_device", lambda: mx.cpu)
+    monkeypatch.setattr(li.mx, "set_wired_limit", lambda limit: wired.append(limit) or 0)
+    config = li.load_config(tiny)
+    li.wire_weights(li.load_weights(tiny, config, mx.float32))
+    assert wired == [] and li.gpu_working_set() is None
