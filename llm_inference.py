@@ -17,9 +17,10 @@ it: checking and downloading the model, the command line, the chat loop.
       10. sample    -> 12095, the id of " Paris"
       11. generate  feed it back in, repeat until an end-of-sequence token
 
-Shapes are written without a batch axis (one sequence at a time), with Qwen3-0.6B's sizes. MLX
-is lazy: `y = x @ w` only records the operation in a graph; the arithmetic runs when a value is
-needed (`print(y)`, `y.item()`, `mx.eval(y)`). generate() (section 11) builds on that.
+Shapes are written for one sequence, with Qwen3-0.6B's sizes (attention's carry a batch axis of 1,
+which MLX's attention kernel wants). MLX is lazy: `y = x @ w` only records the operation in a
+graph; the arithmetic runs when a value is needed (`print(y)`, `y.item()`, `mx.eval(y)`).
+generate() (section 11) builds on that.
 """
 
 import ctypes
@@ -223,17 +224,18 @@ def linear(x, weight):
 def queries_keys_values(x, layer, config, offset):
     """The first half of attention: x (seq, 1024) at positions offset, offset+1, ... -> q, k, v."""
     c, seq = config, x.shape[0]
-    # Project each position to queries, keys and values, split into heads, heads first.
-    q = linear(x, layer["q_proj"]).reshape(seq, c.num_attention_heads, c.head_dim).swapaxes(0, 1)
-    k = linear(x, layer["k_proj"]).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
-    v = linear(x, layer["v_proj"]).reshape(seq, c.num_key_value_heads, c.head_dim).swapaxes(0, 1)
+    # Project each position to queries, keys and values, split into heads, heads first. The leading
+    # 1 is a batch axis: the attention kernel wants one, and the reshape adds it at no extra cost.
+    q = linear(x, layer["q_proj"]).reshape(1, seq, c.num_attention_heads, c.head_dim).swapaxes(1, 2)
+    k = linear(x, layer["k_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim).swapaxes(1, 2)
+    v = linear(x, layer["v_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim).swapaxes(1, 2)
     # QK-norm (new in Qwen3 compared with Qwen2.5): RMS-normalise each head's 128 query and key
     # channels. Otherwise their sizes can creep up in training until the softmax saturates and
     # training turns unstable; here their scale is set by two small learned gains. The order matters
     # (per-channel gains do not commute with the rotation), and Qwen3 was trained normalising first.
     q = apply_rope(rms_norm(q, layer["q_norm"], c.rms_norm_eps), offset, c.rope_theta)
     k = apply_rope(rms_norm(k, layer["k_norm"], c.rms_norm_eps), offset, c.rope_theta)
-    return q, k, v  # (16, seq, 128), (8, seq, 128), (8, seq, 128)
+    return q, k, v  # (1, 16, seq, 128), (1, 8, seq, 128), (1, 8, seq, 128)
 
 
 class KVCache:
@@ -245,24 +247,25 @@ class KVCache:
     GROWTH = 256  # positions added at a time: one copy per 256 tokens, not one per token
 
     def __init__(self):
-        self.keys = self.values = None  # (8, capacity, 128), preallocated, written in place
+        self.keys = self.values = None  # (1, 8, capacity, 128), preallocated, written in place
         self.offset = 0  # positions filled
 
     def update_and_fetch(self, k, v):
-        """Store k, v (8, seq, 128) at positions offset, offset+1, ...; return all so far."""
-        end = self.offset + k.shape[1]
-        capacity = 0 if self.keys is None else self.keys.shape[1]
+        """Store k, v (1, 8, seq, 128) at positions offset, offset+1, ...; return all so far."""
+        end = self.offset + k.shape[-2]
+        capacity = 0 if self.keys is None else self.keys.shape[-2]
         if end > capacity:  # full: add room for a whole number of GROWTH positions
-            room = (k.shape[0], math.ceil((end - capacity) / self.GROWTH) * self.GROWTH, k.shape[2])
+            room = math.ceil((end - capacity) / self.GROWTH) * self.GROWTH
+            room = (*k.shape[:-2], room, k.shape[-1])
             if self.keys is None:  # two arrays, not one shared: the writes below are in place
                 self.keys, self.values = mx.zeros(room, k.dtype), mx.zeros(room, v.dtype)
             else:
-                self.keys = mx.concatenate([self.keys, mx.zeros(room, k.dtype)], axis=1)
-                self.values = mx.concatenate([self.values, mx.zeros(room, v.dtype)], axis=1)
-        self.keys[:, self.offset : end] = k
-        self.values[:, self.offset : end] = v
+                self.keys = mx.concatenate([self.keys, mx.zeros(room, k.dtype)], axis=-2)
+                self.values = mx.concatenate([self.values, mx.zeros(room, v.dtype)], axis=-2)
+        self.keys[..., self.offset : end, :] = k
+        self.values[..., self.offset : end, :] = v
         self.offset = end
-        return self.keys[:, :end], self.values[:, :end]  # (8, total, 128)
+        return self.keys[..., :end, :], self.values[..., :end, :]  # (1, 8, total, 128)
 
 
 def make_cache(config):
@@ -270,37 +273,36 @@ def make_cache(config):
 
 
 def attend(q, k, v):
-    """softmax(q kᵀ / √d) v for q (16, seq, 128) and k, v (8, total, 128) -> (16, seq, 128).
+    """softmax(q kᵀ / √d) v for q (1, 16, seq, 128), k and v (1, 8, total, 128) -> like q.
     The queries are the last `seq` of the `total` positions; each sees the keys up to its own."""
-    n_heads, seq, head_dim = q.shape
-    n_kv_heads, total, _ = k.shape
+    _, n_heads, seq, head_dim = q.shape
+    _, n_kv_heads, total, _ = k.shape
     scale = 1 / math.sqrt(head_dim)
     if not FUSED_KERNELS:
         # Grouped-query attention by broadcasting: q viewed as (8 groups, 2 heads, ...) meets k, v
         # viewed as (8, 1, ...), so each pair of query heads shares one K/V head, and no repeated
         # copy of the keys and values is built.
         q = q.reshape(n_kv_heads, n_heads // n_kv_heads, seq, head_dim)  # (8, 2, seq, 128)
-        k, v = k[:, None], v[:, None]  # (8, 1, total, 128)
+        k, v = k.reshape(n_kv_heads, 1, total, head_dim), v.reshape(n_kv_heads, 1, total, head_dim)
         scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total); scaling q is less work
         # Causal mask: query i sits at position total-seq+i and sees keys 0 ... total-seq+i.
         allowed = mx.arange(total)[None, :] <= (total - seq + mx.arange(seq))[:, None]
         scores = mx.where(allowed, scores, -mx.inf)  # (seq, total) mask, broadcast
         probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)  # float32 exp/sum
-        return (probs @ v).reshape(n_heads, seq, head_dim)
-    # The kernel wants a batch axis; it does the head groups and the mask itself, aligned as above
-    # (the last query sees the last key). A single new token may see every key: no mask.
-    out = mx.fast.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale,
-                                               mask="causal" if seq > 1 else None)
-    return out[0]
+        return (probs @ v).reshape(1, n_heads, seq, head_dim)
+    # The kernel does the head groups and the mask itself, aligned as above (the last query sees
+    # the last key). A single new token may see every key: no mask.
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
+                                                mask="causal" if seq > 1 else None)
 
 
 def attention(x, layer, config, cache):
     """x (seq, 1024), already normalised -> (seq, 1024): what each position gathers from others."""
     q, k, v = queries_keys_values(x, layer, config, cache.offset)
-    k, v = cache.update_and_fetch(k, v)  # (8, total, 128): the earlier positions' and these
-    heads = attend(q, k, v)  # (16, seq, 128)
+    k, v = cache.update_and_fetch(k, v)  # (1, 8, total, 128): the earlier positions' and these
+    heads = attend(q, k, v)  # (1, 16, seq, 128)
     # Concatenate the heads into one vector per position; the output projection mixes them.
-    heads = heads.swapaxes(0, 1).reshape(x.shape[0], -1)  # (seq, 16 x 128 = 2048)
+    heads = heads.swapaxes(1, 2).reshape(x.shape[0], -1)  # (seq, 16 x 128 = 2048)
     return linear(heads, layer["o_proj"])  # (seq, 1024)
 
 
@@ -340,7 +342,7 @@ def forward(token_ids, weights, config, cache, last_only=True):
         x = x[-1:]  # (1, 1024)
     x = rms_norm(x, weights["norm"], config.rms_norm_eps)
     logits = linear(x, weights["lm_head"])  # (1 or seq, vocab): a score (logit) per token
-    return logits[0] if last_only else logits
+    return logits.squeeze(0) if last_only else logits
 
 
 # --- 10. Sample: pick the next token from the logits ----------------------------------------------
@@ -406,7 +408,8 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
     def step(token_ids):  # one forward pass over token_ids (seq,) and the token picked after it
         nonlocal key
         logits = forward(token_ids, weights, config, cache)
-        key, pick_key = mx.random.split(key)  # fresh randomness each step, repeatable from the seed
+        # Fresh randomness for each step, repeatable from the seed; greedy picking needs none.
+        key, pick_key = mx.random.split(key) if sampling.temperature else (key, key)
         return pick(logits, sampling, pick_key), logits
 
     # Prefill: the prompt's tokens are all known, so they go through each layer together (large,

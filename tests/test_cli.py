@@ -353,7 +353,7 @@ def test_trace_narrates_one_forward_pass(tiny_model, reference, tmp_path, flags)
                           "cache.update_and_fetch", "attend", "attention", "rms_norm"], steps
     assert steps[10] == "swiglu"
     attend = next(line for line in lines if line.startswith("  attend"))
-    assert f"-> ({c.num_attention_heads}, 5, {c.head_dim}) float32" in attend
+    assert f"-> (1, {c.num_attention_heads}, 5, {c.head_dim}) float32" in attend
     done = [re.match(r"block +\d+ done: residual stream \(5, 64\) float32, RMS [\d.]+, lens: (.+) ([\d.]+)$",
                      line) for line in lines if line.startswith("block ") and " done: " in line]
     assert len(done) == c.num_hidden_layers and all(done), done
