@@ -281,6 +281,13 @@ def test_the_filters_chained_keep_what_transformers_keeps(seed, top_k, top_p, mi
     assert kept_by_us(logits, temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p) ==         kept_by_transformers(logits, 0.7, top_k, top_p, min_p)
 
 
+def test_top_p_zero_keeps_the_likeliest_token_alone():
+    """transformers keeps at least one token (min_tokens_to_keep); so do we: top_p 0 is greedy."""
+    logits = mx.random.normal((4096,), key=mx.random.key(7)) * 2
+    assert kept_by_us(logits, temperature=0.8, top_p=0.0) == {int(mx.argmax(logits))}
+    assert kept_by_us(logits, temperature=0.8, top_k=20, top_p=0.0) == {int(mx.argmax(logits))}
+
+
 def test_top_p_keeps_tokens_tied_with_the_last_one_kept():
     logits = mx.log(mx.array([0.4, 0.2, 0.2, 0.1, 0.1]))
     # 0.4 < 0.5 so the next token stays; the other 0.2 is equally likely, so it stays with it.
