@@ -13,7 +13,9 @@ mlx-lm, and the decode ceiling set by memory bandwidth (every weight byte is rea
 """
 
 import argparse
+import collections
 import math
+import re
 import statistics
 import sys
 import tempfile
@@ -165,6 +167,42 @@ def step_breakdown(weights, config, model, context=128, steps=30):
     return result
 
 
+def primitives_per_step(weights, config, model, context=128):
+    """{runtime: Counter of primitive kinds} in one greedy decode step at `context` tokens: the graph
+    each loop asks MLX to evaluate for a token (ours: the token, as li.generate's step builds it;
+    mlx-lm: the token and log-probabilities, as mlx_lm.generate_step's _step builds them). Counted
+    from mx.export_to_dot, so exact and repeatable. On the CPU, MLX's fused kernels (mx.fast)
+    decompose into their parts: counts there differ from a GPU's."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = mx.random.randint(0, config.vocab_size, (context,), key=mx.random.key(1))
+    ours_cache, theirs_cache = li.make_cache(config), make_prompt_cache(model)
+    mx.eval(li.forward(prompt, weights, config, ours_cache), model(prompt[None], cache=theirs_cache))
+    token = mx.array(7)  # the scalar that li.generate's previous step picked
+    y = mx.array([7])  # the (1,) array that mlx_lm.generate_step's previous step sampled
+    mx.eval(token, y)
+    logits = li.forward(token[None], weights, config, ours_cache)
+    outputs = {"ours": [li.sample(logits, li.Sampling(), None)]}
+    logits = model(y[None], cache=theirs_cache)[:, -1, :]
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    outputs["mlx-lm"] = [mx.argmax(logprobs, axis=-1), logprobs.squeeze(0)]
+    counts = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, arrays in outputs.items():
+            mx.export_to_dot(str(Path(tmp) / "step.dot"), *arrays)
+            dot = (Path(tmp) / "step.dot").read_text()
+            counts[name] = collections.Counter(re.findall(r'label ="([^"]+)", shape=rectangle', dot))
+    return counts
+
+
+def print_primitives(counts, context=128):
+    ours, theirs = counts["ours"], counts["mlx-lm"]
+    print(f"primitives per decode step at {context} tokens of context: ours {sum(ours.values())}, "
+          f"mlx-lm {sum(theirs.values())} (by kind: ours, mlx-lm)")
+    for kind in sorted(ours.keys() | theirs.keys(), key=lambda k: (-ours[k] - theirs[k], k)):
+        print(f"  {kind:<40} {ours[kind]:5} {theirs[kind]:6}")
+
+
 def quantization_error(model_dir, weights):
     """{matrix: relative error ‖x Ŵᵀ - x Wᵀ‖ / ‖x Wᵀ‖} for layer 0's matrices, W as the checkpoint stores
     it, Ŵ quantized (--quantize), x 64 random float32 rows."""
@@ -238,6 +276,8 @@ def main():
                     help="instead: time one matrix-vector product in float32, bfloat16, 8 and 4 bits")
     ap.add_argument("--cache-lengths", type=count, nargs="+", metavar="N",
                     help="instead: decode speed with and without the KV cache at these prompt lengths")
+    ap.add_argument("--primitives", action="store_true",
+                    help="instead: count the primitives of one decode step, ours and mlx-lm's, by kind")
     ap.add_argument("--chat-turns", type=count, metavar="N",
                     help="instead: time to first token per turn of an N-turn chat, with the cache "
                          "kept across turns vs prefilling the conversation again (--decode-tokens "
@@ -284,6 +324,9 @@ def main():
     if args.chat_turns:
         chat_experiment(weights, config, tokenizer, args.chat_turns, args.decode_tokens)
         return
+    if args.primitives:
+        print_primitives(primitives_per_step(weights, config, model))
+        return
     runners = {"ours": ours(weights, config), "mlx-lm": mlx_lm_runner(model)}
     bandwidth = measure_bandwidth(dtype)
     key = mx.random.key(0)
@@ -322,6 +365,7 @@ def main():
               f"greedy tokens identical: {same}/{n}")
     for name, (build, run) in step_breakdown(weights, config, model).items():
         print(f"one decode step, {name}: building the graph {build:.2f} ms (Python), running it {run:.2f} ms")
+    print_primitives(primitives_per_step(weights, config, model))
 
 
 if __name__ == "__main__":
