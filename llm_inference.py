@@ -308,14 +308,19 @@ def attention(x, layer, config, cache):
 
 # --- 7. SwiGLU feed-forward: a gated two-layer MLP applied to each position on its own ------------
 
+def silu_gate(gate, up):
+    """silu(gate) * up, element by element. silu(g) = g * σ(g) is a smooth ReLU, not a 0-1 switch;
+    multiplied with a second projection, `up`, it gates it."""
+    return gate * mx.sigmoid(gate) * up
+
+
 def swiglu(x, layer):
     """(seq, 1024) -> (seq, 3072) -> (seq, 1024), each position on its own (attention moves
     information between them): about 60% of a block's weights, thought to hold much of what the
-    model knows. It widens 3x to have room for many features at once. silu(g) = g * σ(g) is a
-    smooth ReLU, not a 0-1 switch; multiplied with a second projection, `up`, it gates it."""
+    model knows. It widens 3x to have room for many features at once."""
     gate = linear(x, layer["gate_proj"])  # (seq, 3072)
     up = linear(x, layer["up_proj"])  # (seq, 3072)
-    return linear(gate * mx.sigmoid(gate) * up, layer["down_proj"])  # (seq, 1024)
+    return linear(silu_gate(gate, up), layer["down_proj"])  # (seq, 1024)
 
 
 # --- 8. Transformer block: attention, then feed-forward, each added back to the residual stream ---
@@ -432,35 +437,29 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 # PART 2: GOING FURTHER (optional sections; each builds on Part 1 alone)
 # ================================================================================================
 
-# --- 12. Compilation: the same functions, fewer and fused kernels ---------------------------------
+# --- 12. Compilation: fusing element-wise operations into one kernel -----------------------------
 #
 # Decoding one token of a small model runs hundreds of small operations, each far too small to keep
 # a GPU busy, so their fixed costs (Python recording the graph, one kernel launch each) limit the
-# speed, not the arithmetic. mx.compile traces a function once per input shape and dtype (and per
-# value of any Python number passed in), then replays the recorded graph as one call, with
-# element-wise steps fused into single kernels. Two functions keep their shapes at every decoding
-# step; the rest of attention does not, as the keys and values it reads grow by one position per
-# token.
+# speed, not the arithmetic. mx.compile traces a function once, then replays the recorded graph as
+# one call, with element-wise steps fused into single kernels: silu_gate's sigmoid and two
+# multiplications become one kernel instead of three. Only element-wise steps fuse; matrix
+# products, RMSNorm, RoPE and attention are single kernels already, and replaying a compiled
+# function costs Python more time than recording a few of them (docs/performance.md), so
+# silu_gate is all we compile. shapeless=True: one trace serves every sequence length.
 #
-# While tracing, arrays are placeholders: print(x.shape) inside a compiled function prints once per
-# trace, and print(x) fails; without compile_model() (--no-compile) every operation runs one by
-# one. A compiled function also keeps the FUSED_KERNELS it saw when it was traced.
+# While tracing, arrays are placeholders: print(x) inside a compiled function fails, and
+# print(x.shape) prints once, when it is traced. Without compile_model() (--no-compile), every
+# operation runs one by one.
 
-compiled_swiglu = mx.compile(swiglu)
-traced_queries_keys_values = mx.compile(queries_keys_values)
-
-
-def compiled_queries_keys_values(x, layer, config, offset):
-    # A new Python number means a new trace, and the offset is a new number at every token; as an
-    # array, its value is an input of the same trace.
-    return traced_queries_keys_values(x, layer, config, mx.array(offset))
+compiled_silu_gate = mx.compile(silu_gate, shapeless=True)
 
 
 def compile_model():
-    """Use the compiled versions from now on: attention() and transformer_block() look the names
-    up in this module when they run. The command line calls this unless --no-compile."""
-    global queries_keys_values, swiglu
-    queries_keys_values, swiglu = compiled_queries_keys_values, compiled_swiglu
+    """From now on, swiglu() calls the compiled silu_gate: it looks the name up in this module when
+    it runs. The command line calls this unless --no-compile."""
+    global silu_gate
+    silu_gate = compiled_silu_gate
 
 
 # --- 13. Long prompts: prefill in pieces ----------------------------------------------------------
@@ -1276,9 +1275,7 @@ def trace(prompt_ids, weights, config, tokenizer):
     module's namespace where it looks them up, by wrappers that print each call's shapes. Block 0
     is shown call by call (a call prints when it returns, so a function's inner calls come before
     it), then every block by the size (RMS) of the residual stream it leaves and its logit lens
-    (section 18): the likeliest next token if the model stopped there. It works with compilation
-    on: a compiled function calls the wrappers while MLX traces it, when shapes are known (values
-    are not, so RMS and the lens are printed only between blocks, outside compiled code).
+    (section 18): the likeliest next token if the model stopped there.
     """
     log = lambda text: print(text, file=sys.stderr)
     replaced = {name: globals()[name] for name in TRACED_STEPS if name != "cache.update_and_fetch"}

@@ -44,8 +44,7 @@ def tiny_folder(tmp_path_factory):
 def test_a_decode_step_has_fewer_primitives_than_mlx_lms(tiny_folder, dtype, bits, monkeypatch):
     """bench.py --primitives: the same matrix products in both runtimes, and fewer operations in all
     in ours (compiled, as the command line runs it)."""
-    monkeypatch.setattr(li, "queries_keys_values", li.queries_keys_values)  # put back afterwards
-    monkeypatch.setattr(li, "swiglu", li.swiglu)
+    monkeypatch.setattr(li, "silu_gate", li.silu_gate)  # put back afterwards
     li.compile_model()
     config, weights, model = bench.load_pair(tiny_folder, dtype, bits)
     counts = bench.primitives_per_step(weights, config, model)

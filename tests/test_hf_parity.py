@@ -184,11 +184,10 @@ def test_greedy_generation_matches_hf(case, prompt, fused):
 def test_logit_lens_after_each_block_matches_hf(case, compiled, monkeypatch):
     """--trace's lens: the final norm and LM head applied to the residual stream after each block.
     After the last block it is the model's own next-token logits."""
-    if compiled:  # compile_model() rebinds two module names; monkeypatch puts them back afterwards
-        monkeypatch.setattr(li, "queries_keys_values", li.queries_keys_values)
-        monkeypatch.setattr(li, "swiglu", li.swiglu)
+    if compiled:  # compile_model() rebinds a module name; monkeypatch puts it back afterwards
+        monkeypatch.setattr(li, "silu_gate", li.silu_gate)
         li.compile_model()
-        assert li.swiglu is li.compiled_swiglu
+        assert li.silu_gate is li.compiled_silu_gate
     ids = mx.array(case.prompts["short"])
     x, cache = li.embed(ids, case.weights["embed_tokens"]), li.make_cache(case.config)
     for i, (layer, layer_cache) in enumerate(zip(case.weights["layers"], cache)):
