@@ -162,8 +162,8 @@ def embed(token_ids, embed_tokens):
 # --- 4. RMSNorm: rescale each vector to unit root-mean-square, then by a learned per-channel gain -
 
 # RMSNorm, RoPE and attention are written out below as math, several MLX operations each. MLX also
-# has each as one fused kernel, which computes the same numbers (to rounding; the tests check it) in
-# one pass over memory: faster. This flag picks the kernels; --reference-ops clears it.
+# has each as one fused kernel: the same numbers (to rounding; the tests check it) in one pass over
+# memory, faster. This flag picks the kernels; --reference-ops clears it.
 FUSED_KERNELS = True
 
 
@@ -179,7 +179,7 @@ def rms_norm(x, weight, eps):
 # --- 5. RoPE: encode a token's position by rotating pairs of its query/key channels ---------------
 
 def apply_rope(x, offset, theta):
-    """Rotate x (heads, seq, head_dim), whose first position is the absolute position `offset`.
+    """Rotate x (..., seq, head_dim), whose first position is the absolute position `offset`.
 
     Channel i is paired with channel i + head_dim/2 (Hugging Face's "rotate_half" layout; the RoPE
     paper pairs neighbours), and the pair turns by the angle position * theta^(-2i/head_dim):
@@ -201,8 +201,7 @@ def apply_rope(x, offset, theta):
 #
 # Each position emits, per head, a query ("what am I looking for?"), a key ("what do I hold?") and a
 # value ("what do I pass on?"). Its output is an average of the values, weighted by how well its
-# query matches each key: softmax(Q Kᵀ / √head_dim) · V, where √128 keeps the scores'
-# variance near 1.
+# query matches each key: softmax(Q Kᵀ / √head_dim) · V (√128 keeps the scores' variance near 1).
 #
 # A dot product cannot tell where tokens are: shuffle the keys and values, and the output stays. So
 # RoPE (section 5) mixes positions into queries and keys, and a causal mask keeps each position
