@@ -1,4 +1,8 @@
-"""Synthetic checkpoints must load like real Qwen3 ones in mlx-lm and transformers."""
+"""Synthetic checkpoints must load like real Qwen3 ones in mlx-lm and transformers.
+
+These test the fixture builder (tests/checkpoint.py), not llm_inference.py: the other tests compare
+the script with the references on these checkpoints. They are not counted among the tests of the
+script."""
 
 import json
 

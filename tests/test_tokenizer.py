@@ -1,4 +1,7 @@
-"""The converted tokenizer.json must tokenize exactly like Qwen3."""
+"""The converted tokenizer.json must tokenize exactly like Qwen3.
+
+These test the fixture builder (tests/checkpoint.py), not llm_inference.py: the other tests rely on
+its tokenizer being Qwen3's. They are not counted among the tests of the script."""
 
 import inspect
 import json
