@@ -703,8 +703,9 @@ class Chat:
         return answer
 
     def reply(self, message, max_tokens, sampling=Sampling(), eos_ids=(), pick=sample):
-        """Yield (token id, logits) of the reply to `message`, like generate(). The reply joins the
-        history also when the caller stops early (then close() this generator), even if empty."""
+        """Yield (token id, logits) of the reply to `message`, like generate() (through section
+        13's generate_long, as a first message may be long). The reply joins the history also when
+        the caller stops early (then close() this generator), even if empty."""
         ids = self.prompt_ids(message)
         # How many leading ids the cache already holds. The last id is always fed again: its logits
         # give the reply's first token.
