@@ -309,7 +309,8 @@ def attention(x, layer, config, cache):
 
 def silu_gate(gate, up):
     """silu(gate) * up, element by element. silu(g) = g * σ(g) is a smooth ReLU, not a 0-1 switch;
-    multiplied with a second projection, `up`, it gates it."""
+    multiplied with a second projection, `up`, it gates it. (The command line runs a compiled copy,
+    section 12, where print(gate) fails: try it with --no-compile.)"""
     return gate * mx.sigmoid(gate) * up
 
 
@@ -403,7 +404,8 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
              pick=sample):
     """Yield (token id, the model's logits it was picked from) until an id in eos_ids (yielded
     too) or max_tokens. `cache` may already hold earlier tokens (a chat): prompt_ids continue
-    them; at the end it may also hold the token after the last one yielded. Optional: pick(logits,
+    them. At the end the cache holds every token yielded, except the last when max_tokens ended
+    the run; stopped early, one token more (section 17 reads how far it got). Optional: pick(logits,
     sampling, key) chooses each token: sample(), or section 16's, with min-p and a presence
     penalty (the logits yielded are the model's, before that penalty)."""
     cache = make_cache(config) if cache is None else cache
@@ -443,9 +445,10 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 # speed, not the arithmetic. mx.compile traces a function once, then replays the recorded graph as
 # one call, with element-wise steps fused into single kernels: silu_gate's sigmoid and two
 # multiplications become one kernel instead of three. Only element-wise steps fuse; matrix
-# products, RMSNorm, RoPE and attention are single kernels already, and replaying a compiled
-# function costs Python more time than recording a few of them (docs/performance.md), so
-# silu_gate is all we compile. shapeless=True: one trace serves every sequence length.
+# products, and RMSNorm, RoPE and attention with FUSED_KERNELS, are single kernels already, and
+# replaying a compiled function costs Python more time than recording a few of them
+# (docs/performance.md), so silu_gate is all we compile. shapeless=True: one trace serves every
+# sequence length.
 #
 # While tracing, arrays are placeholders: print(x) inside a compiled function fails, and
 # print(x.shape) prints once, when it is traced. Without compile_model() (--no-compile), every
