@@ -750,6 +750,7 @@ def logit_lens(x, weights, config):
 
 import argparse  # the imports only the program needs
 import re
+import shlex
 import shutil
 import tempfile
 import time
@@ -1145,8 +1146,17 @@ def repo_dir(repo):
 
 
 def download_command(repo, model_dir):
+    """The `hf download` command that fetches repo into model_dir, to print. Its --local-dir is
+    relative, so that the command also works on another machine, run from the same place: to the
+    current folder when model_dir is under it, else to this script's folder, with a cd there."""
     files = f" {' '.join(MODEL_FILES)}" if repo == HF_REPO else ""
-    return f"hf download {repo}{files} --local-dir {model_dir}"
+    model_dir, here = Path(model_dir).absolute(), Path.cwd()
+    script_dir, cd = Path(__file__).resolve().parent, ""
+    if model_dir.is_relative_to(here):
+        model_dir = model_dir.relative_to(here)
+    elif model_dir.is_relative_to(script_dir):  # repo_dir() and default_model_dir() are there
+        cd, model_dir = f"cd {shlex.quote(str(script_dir))} && ", model_dir.relative_to(script_dir)
+    return f"{cd}hf download {repo}{files} --local-dir {shlex.quote(str(model_dir))}"
 
 
 def missing_files(names):

@@ -15,6 +15,7 @@ import http.server
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -895,7 +896,8 @@ def no_download_leftovers(app):
 def test_default_folder_missing_no_download(app):
     model_dir = app / "Qwen3-0.6B"
     assert_one_line_error(run_cli("--no-download", cwd=app, script=app / SCRIPT.name), 1,
-                          f"model folder {model_dir} not found", "--no-download", MANUAL_DOWNLOAD, f"--local-dir {model_dir}")
+                          f"model folder {model_dir} not found", "--no-download", MANUAL_DOWNLOAD,
+                          "--local-dir Qwen3-0.6B")  # relative to the current folder (app)
     assert not model_dir.exists()
 
 
@@ -1090,7 +1092,7 @@ def test_repo_id_failing_midway_leaves_nothing(app, sharded_model):
     first, rest = err.split("\n", 1)
     assert first.startswith(f"Downloading {REPO} (8 files, ")
     assert_one_line_error((rc, out, rest), 1, f"could not download {REPO}",
-                          f"hf download {REPO} --local-dir {app / REPO}")
+                          f"fetch it by hand with: hf download {REPO} --local-dir {REPO}")
     assert leftovers(app) == []  # not even an empty someone/ folder
 
 
@@ -1102,8 +1104,47 @@ def test_repo_id_offline(app):
 
 def test_repo_id_no_download(app):
     assert_one_line_error(run_cli("--model", REPO, "--no-download", cwd=app, script=app / SCRIPT.name), 1,
-                          "--no-download", f"hf download {REPO} --local-dir {app / REPO}")
+                          "--no-download", f"fetch it with: hf download {REPO} --local-dir {REPO}")
     assert leftovers(app) == []
+
+
+def run_printed_command(command, cwd, tmp_path):
+    """Run a printed `hf download ...` line with bash, with a fake `hf` that only records where it
+    runs; returns the folder its --local-dir names, resolved from there."""
+    bin_dir, log = tmp_path / "fake-bin", tmp_path / "hf-log"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "hf").write_text('#!/bin/sh\npwd -P > "$HF_LOG"\nprintf "%s\\n" "$@" >> "$HF_LOG"\n')
+    (bin_dir / "hf").chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HF_LOG": str(log)}
+    subprocess.run(["bash", "-c", command], cwd=cwd, env=env, check=True, timeout=30)
+    where, *args = log.read_text().splitlines()
+    assert args[:2] == ["download", args[1]] and args[-2] == "--local-dir", args
+    return (Path(where) / args[-1]).resolve()
+
+
+@pytest.mark.parametrize("where", ["the current folder", "next to the script"])
+def test_the_printed_download_command_works_here_and_on_another_machine(tmp_path, where):
+    """The command printed when a model cannot be downloaded holds no path of this machine but, when the
+    model folder is not under the current folder, a cd to the script's folder: run as printed, it fills
+    the model folder here; run from the same place in a copy elsewhere (another machine), the copy's."""
+    app = tmp_path / "my app"  # a space, as in a Mac's "Application Support": the paths are quoted
+    app.mkdir()
+    shutil.copy(SCRIPT, app / SCRIPT.name)
+    cwd = app if where == "the current folder" else tmp_path / "elsewhere"
+    cwd.mkdir(exist_ok=True)
+    line = assert_one_line_error(run_cli("--model", REPO, "--no-download", cwd=cwd, script=app / SCRIPT.name),
+                                 1, f"model folder {app / REPO} not found")
+    command = line.split("fetch it with: ", 1)[1]
+    assert run_printed_command(command, cwd, tmp_path) == app / REPO  # here
+    cd = f"cd {shlex.quote(str(app))} && "
+    if where == "the current folder":
+        assert command == f"hf download {REPO} --local-dir {REPO}"
+    else:
+        assert command == f"{cd}hf download {REPO} --local-dir {REPO}"
+        command = command.removeprefix(cd)  # elsewhere, the cd goes to that machine's script folder
+    assert str(tmp_path) not in command
+    other = shutil.copytree(app, tmp_path / "another machine" / "app")
+    assert run_printed_command(command, other, tmp_path) == other / REPO
 
 
 def test_repo_id_not_found(app, tiny_model):
