@@ -6,6 +6,9 @@ cache reused across turns is checked against recomputing the whole conversation 
 filters are checked against transformers' own logits warpers.
 """
 
+import io
+import sys
+
 import numpy as np
 import mlx.core as mx
 import pytest
@@ -149,6 +152,56 @@ def test_a_rewritten_history_rolls_the_cache_back_to_where_it_differs(model):
     _, logits = next(chat.reply("Two", 1))
     assert chat.reused == len(generated_prompt)  # up to "<|im_start|>assistant\n" of the reply
     assert mx.allclose(logits, from_scratch(model, prompt), atol=1e-4, rtol=1e-4)
+
+
+def an_end_id(model, message, at=3):
+    """The random model never writes <|im_end|>: an id that its greedy reply to `message` does write,
+    first at position >= `at`, stands in for it. Returns (that id, the reply before it)."""
+    chat = make_chat(model)
+    reply = run_turn(chat, message, 16)
+    n = next(n for n in range(at, len(reply)) if reply[n] not in reply[:n])
+    return reply[n], reply[:n]
+
+
+def test_a_reply_ended_by_the_end_id_keeps_it_out_of_the_history(model):
+    """The end-of-turn id that stops a reply is not part of it: the next rendering closes the reply
+    with exactly one <|im_end|> (the template's), and the cache, which holds the end id fed back,
+    rolls back over it."""
+    end, before_end = an_end_id(model, "One")
+    chat = make_chat(model)
+    first_prompt = chat.prompt_ids("One")
+    got = [t for t, _ in chat.reply("One", 16, eos_ids={end})]
+    assert got == before_end + [end]  # generate() yields the end id, then stops
+    assert chat.turns == [("One", before_end)]  # the stored reply: without it
+    prompt = chat.prompt_ids("Two")
+    after = prompt[len(first_prompt) + len(before_end):]
+    assert prompt[:len(first_prompt)] == first_prompt
+    assert prompt[len(first_prompt):][:len(before_end)] == before_end
+    assert after == ids(model, "<|im_end|>\n") + ids(model, li.chat_prompt("Two"))
+    assert end not in after and after.count(IM_END) == 2  # the reply's end, then the message's
+    _, logits = next(chat.reply("Two", 1, eos_ids={end}))
+    assert chat.reused == len(first_prompt) + len(before_end)  # not the end id's position
+    assert mx.allclose(logits, from_scratch(model, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_reset_then_the_same_first_message_gives_the_same_reply(model, monkeypatch, capsys):
+    """/reset, then the very first message again: the same greedy reply, and all of the prompt but its
+    last token (fed again for its logits) comes from the cache, which still holds the first turn."""
+    end, before_end = an_end_id(model, "One")
+    chat = make_chat(model)
+    n_prompt = len(chat.prompt_ids("One"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"One\n/reset\nOne\n")))
+    li.chat_loop(chat, 16, li.Sampling(), {end}, hide_think=False)
+    out, err = capsys.readouterr()
+    # The printer shows the end id, an ordinary token here (<|im_end|>, being special, shows nothing).
+    text = model[3].decode(before_end + [end], skip_special_tokens=True).rstrip("\ufffd")
+    assert out == f"{text}\n{text}\n"
+    assert chat.turns == [("One", before_end)]
+    turns = [line.split(" | ")[0] for line in err.splitlines() if line.startswith("Turn ")]
+    assert [t.split(" prefilled")[0] for t in turns] == [
+        f"Turn 1: 0 tokens reused from the cache, {n_prompt}",
+        f"Turn 1: {n_prompt - 1} tokens reused from the cache, 1"]
+    assert "(conversation reset)" in err.splitlines()
 
 
 def short_context_chat(model, context=80):
