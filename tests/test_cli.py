@@ -792,6 +792,25 @@ def test_mlx_quantized_folder_gives_the_quantize_text(tiny_model, converted_4bit
         assert text == expected
 
 
+def test_mixed_precision_folder_runs_and_says_its_bits(tiny_model, tmp_path):
+    """mlx-lm's mixed_3_6 recipe: 3 bits, 6 for the head and some layers (config.json's "quantization"
+    says 4 at the top, which no matrix uses). The CLI checks and loads it; its text is the folder's,
+    read in this process, and the model line names the bits really used."""
+    from mlx_lm import convert
+
+    folder = tmp_path / "tiny-mixed"
+    convert(hf_path=str(tiny_model), mlx_path=str(folder), quantize=True, quant_predicate="mixed_3_6",
+            q_group_size=64)
+    assert json.loads((folder / "config.json").read_text())["quantization"]["bits"] == 4
+    dtype = li.pick_dtype("auto")
+    reference = Reference(tiny_model, dtype)
+    reference.weights = li.load_quantized(folder, li.load_config(folder), dtype)
+    text, lines, _, _ = parse_success(run_cli("--model", folder, "--max-tokens", 24, cwd=tmp_path))
+    assert lines[0].endswith(", 3/6-bit weights"), lines[0]
+    assert text == reference.text(PROMPT, 24)
+    assert text != Reference(tiny_model, dtype, 4).text(PROMPT, 24)  # not what 4 bits would say
+
+
 def test_sharded_mlx_quantized_folder(tiny_model, converted_4bit, tmp_path):
     """mlx-community's larger models come in shards: the converted tensors split over two files."""
     folder = tmp_path / "sharded-4bit"
