@@ -6,6 +6,7 @@ cache reused across turns is checked against recomputing the whole conversation 
 filters are checked against transformers' own logits warpers.
 """
 
+import functools
 import io
 import sys
 
@@ -332,6 +333,60 @@ def test_the_filters_chained_keep_what_transformers_keeps(seed, top_k, top_p, mi
     # sort order (we keep all tied tokens: the rule in filter_logits).
     logits = mx.random.normal((4096,), key=mx.random.key(100 + seed)) * 2
     assert kept_by_us(logits, temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p) ==         kept_by_transformers(logits, 0.7, top_k, top_p, min_p)
+
+
+def unambiguous_for_top_p(logits, temperature, top_k, top_p, margin=1e-4):
+    """Whether transformers' top-p choice after top-k does not depend on its sort order: the cut
+    (cumulative mass 1 - top_p, least likely first) falls in no group of tied tokens, nor within
+    `margin` of a boundary between tokens (rounding)."""
+    x = np.array(logits, np.float64) / temperature
+    kept = np.sort(x[x >= np.sort(x)[::-1][top_k - 1]])  # after top-k (ties kept), least likely first
+    q = np.exp(kept - kept.max())
+    q /= q.sum()
+    mass, cut = np.cumsum(q), 1 - top_p
+    _, starts, counts = np.unique(kept, return_index=True, return_counts=True)
+    return all(cut < mass[s] - margin or cut > mass[s + n - 1] + margin for s, n in zip(starts, counts))
+
+
+@functools.cache
+def top_k_top_p_cases():
+    """(seed, top_k, top_p, kept by us, by transformers, how many top-k keeps, what transformers keeps
+    if top-k had kept exactly k tokens) for bfloat16 logits whose k-th largest value is tied, at top-p
+    values whose cut falls in no tie."""
+    cases = []
+    for seed in range(12):
+        logits = bfloat16_logits(seed)
+        values = np.array(logits)
+        for top_k in (20, 50):
+            n_top_k = int(np.sum(values >= np.sort(values)[::-1][top_k - 1]))
+            if n_top_k == top_k:  # no tie at the top-k bar
+                continue
+            exactly_k = values.copy()
+            exactly_k[np.argsort(-values, kind="stable")[top_k:]] = -1e9  # the ties beyond k dropped
+            for top_p in (0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 0.999):
+                if unambiguous_for_top_p(logits, 0.7, top_k, top_p):
+                    cases.append((seed, top_k, top_p,
+                                  kept_by_us(logits, temperature=0.7, top_k=top_k, top_p=top_p),
+                                  kept_by_transformers(logits, 0.7, top_k, top_p), n_top_k,
+                                  kept_by_transformers(mx.array(exactly_k), 0.7, top_k, top_p)))
+    return cases
+
+
+def test_top_k_and_top_p_with_ties_at_the_top_k_bar_keep_what_transformers_keeps():
+    """Top-p after top-k measures the mass over every token top-k keeps, the tokens tied with the k-th
+    included (transformers renormalises over them): the cut moves with them."""
+    for seed, top_k, top_p, ours, theirs, _, _ in top_k_top_p_cases():
+        assert ours == theirs, (seed, top_k, top_p)
+
+
+def test_top_k_and_top_p_ties_are_really_exercised():
+    cases = top_k_top_p_cases()
+    assert len(cases) > 30
+    # Cases where top-p cuts inside what top-k keeps, at a place that the tied tokens move ...
+    moved = [c for c in cases if len(c[4]) < c[5] and c[4] != c[6]]
+    # ... and cases where top-p keeps all of it, the tokens tied at the top-k bar included.
+    whole = [c for c in cases if len(c[4]) == c[5]]
+    assert len(moved) >= 5 and len(whole) >= 3, (len(moved), len(whole))
 
 
 def test_top_p_zero_keeps_the_likeliest_token_alone():
