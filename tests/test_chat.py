@@ -411,6 +411,56 @@ def test_presence_penalty_lowers_each_picked_token_once():
     assert li.extra_sampling(0.0, 0.8, 4)(logits, li.Sampling(), mx.random.key(0)).item() == 0
 
 
+def penalised_from_scratch(model, prompt, penalty, n, seen=()):
+    """Greedy with a presence penalty, recomputing everything at each step: the tokens counted are the
+    reply's so far (plus `seen`, to show what counting others would change)."""
+    _, config, _, _ = model
+    expected, counted = [], np.zeros(config.vocab_size, np.float32)
+    counted[list(seen)] = 1
+    for _ in range(n):
+        logits = np.array(from_scratch(model, prompt + expected)) - penalty * counted
+        expected.append(int(np.argmax(logits)))
+        counted[expected[-1]] = 1
+    return expected
+
+
+def test_the_presence_penalty_spares_the_prompts_tokens(model):
+    """A prompt ending where the model repeats one of its tokens next: that token is not yet in the
+    reply, so it is not penalised, and the reply goes on as the reference loop's."""
+    _, config, weights, tokenizer = model
+    start = tokenizer.encode("The capital of France is").ids
+    plain = [t for t, _ in li.generate(start, weights, config, 40)]
+    j = next(j for j in range(len(plain)) if plain[j] in start + plain[:j])  # the first repeat
+    prompt = start + plain[:j]  # it ends where the greedy reply would repeat a prompt token
+    pick = li.extra_sampling(0.0, 2.0, config.vocab_size)
+    got = [t for t, _ in li.generate(prompt, weights, config, 16, pick=pick)]
+    assert got[0] == plain[j] and got[0] in prompt
+    assert got == penalised_from_scratch(model, prompt, 2.0, 16)
+    # Counting the prompt's tokens would change the reply from its first token on.
+    assert penalised_from_scratch(model, prompt, 2.0, 1, seen=prompt)[0] != got[0]
+
+
+def test_each_chat_reply_has_its_own_presence_penalty(model, monkeypatch):
+    """In a chat, the earlier replies are part of the prompt: the penalty of the next reply counts only
+    its own tokens (chat_loop makes a new pick for each). The same message twice: the second reply
+    says a token of the first (40 tokens each)."""
+    _, config, _, _ = model
+    chat = make_chat(model)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"One\nOne\n")))
+    li.chat_loop(chat, 40, li.Sampling(), {IM_END}, hide_think=False,
+                 new_pick=lambda: li.extra_sampling(0.0, 2.0, config.vocab_size))
+    expected = make_chat(model)
+    for message in ("One", "One"):
+        reply = penalised_from_scratch(model, expected.prompt_ids(message), 2.0, 40)
+        expected.turns.append((message, reply))
+    assert chat.turns == expected.turns
+    # Had the second reply's penalty counted the first reply, the second reply would differ.
+    first_reply = expected.turns[0][1]
+    expected.turns.pop()
+    assert penalised_from_scratch(model, expected.prompt_ids("One"), 2.0, 40,
+                                  seen=first_reply) != chat.turns[1][1]
+
+
 def test_generate_applies_the_presence_penalty_to_the_reply_so_far(model):
     """Against a plain loop that recomputes everything and penalises the tokens seen so far."""
     _, config, weights, tokenizer = model
