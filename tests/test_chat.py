@@ -231,6 +231,29 @@ def test_a_message_that_needs_room_drops_only_the_oldest_turns(model, capsys):
     assert "forgot the oldest 1 turn)" in capsys.readouterr().err
 
 
+def test_a_conversation_that_fits_exactly_keeps_every_turn(model, capsys):
+    """The prompt and a whole reply filling the context to its last position fit: nothing is dropped;
+    one token more drops the oldest turn."""
+    chat = short_context_chat(model)
+    before = list(chat.turns)
+    need = len(chat.prompt_ids("Three"))
+    li.make_room(chat, "Three", 80 - need)
+    assert chat.turns == before and capsys.readouterr().err == ""
+    li.make_room(chat, "Three", 80 - need + 1)
+    assert chat.turns == before[1:] and "forgot the oldest 1 turn)" in capsys.readouterr().err
+
+
+def test_a_message_alone_that_fits_exactly_is_not_refused(model, capsys):
+    chat = short_context_chat(model)
+    chat.turns = []
+    need = len(chat.prompt_ids("x " * 20))
+    li.make_room(chat, "x " * 20, 80 - need)  # fits: no error
+    assert chat.turns == [] and capsys.readouterr().err == ""
+    with pytest.raises(li.UserError, match=f"makes a {need}-token prompt; with --max-tokens "
+                                           f"{80 - need + 1} that exceeds the model's 80-token"):
+        li.make_room(chat, "x " * 20, 80 - need + 1)
+
+
 def test_ctrl_c_while_making_room_leaves_the_conversation_as_it_was(model, monkeypatch):
     chat = short_context_chat(model)
     before = list(chat.turns)

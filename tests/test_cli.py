@@ -754,6 +754,23 @@ def test_shard_index_invalid(sharded_model, tmp_path, index):
                           f"{folder / 'model.safetensors.index.json'} is not a valid index")
 
 
+@pytest.mark.parametrize("outside", ["../x.safetensors", "absolute", "sub/../../x.safetensors"])
+def test_shard_index_with_one_entry_outside_the_folder(sharded_model, tmp_path, outside):
+    """One tensor of a valid index sent to a file outside the folder, a real shard there: refused,
+    not read (a checkpoint may come from anyone)."""
+    folder = shutil.copytree(sharded_model, tmp_path / "m")
+    (folder / "sub").mkdir()  # so that sub/../../x.safetensors resolves, sorting after the shards
+    name = "model.layers.1.mlp.up_proj.weight"
+    shutil.copy(folder / shard_of(folder, name), tmp_path / "x.safetensors")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"][name] = str(tmp_path / "x.safetensors") if outside == "absolute" else outside
+    assert (folder / index["weight_map"][name]).resolve() == tmp_path / "x.safetensors"
+    assert len(set(index["weight_map"].values())) == 4  # the three shards, still named, and it
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
+                          f"{folder / 'model.safetensors.index.json'} is not a valid index")
+
+
 def test_sharded_tensor_missing(sharded_model, tmp_path):
     name = "model.layers.1.mlp.up_proj.weight"
     folder = shutil.copytree(sharded_model, tmp_path / "m")
