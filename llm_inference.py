@@ -754,6 +754,7 @@ def logit_lens(x, weights, config):
 
 import argparse  # the imports only the program needs
 import re
+import shlex
 import shutil
 import tempfile
 import time
@@ -980,14 +981,17 @@ def check_chat_template(model_dir):
                         "--chat writes (a Qwen3-2507 model?); run it without --chat")
 
 
-def weight_bytes(config, dtype, bits=None, group_size=GROUP_SIZE):
+def weight_bytes(config, dtype, bits=None, group_size=GROUP_SIZE, stored=None):
     """The bytes Part 1's weights take once loaded as dtype (a tied head shares the embedding's);
-    quantized, a matrix takes `bits` per weight plus a scale and a bias (dtype) per group."""
+    quantized, a matrix whose rows split into whole groups takes `bits` per weight plus a scale and
+    a bias (dtype) per group. stored: config.json's "quantization", whose settings for a matrix
+    (mixed precision) win over bits and group_size."""
     total = 0
-    for shape in weight_shapes(config).values():
-        n = math.prod(shape)
-        quantized = bits and len(shape) == 2
-        total += n * bits // 8 + 2 * n // group_size * dtype.size if quantized else n * dtype.size
+    for name, shape in weight_shapes(config).items():
+        n, how = math.prod(shape), (stored or {}).get(name.removesuffix(".weight"))
+        b, g = (how["bits"], how["group_size"]) if isinstance(how, dict) else (bits, group_size)
+        quantized = b and len(shape) == 2 and shape[1] % g == 0  # as take_tensor and mlx-lm do
+        total += n * b // 8 + 2 * n // g * dtype.size if quantized else n * dtype.size
     return total
 
 
@@ -1108,8 +1112,8 @@ def load_model(model_dir, dtype, bits=None):
                         "or point --model at the unquantized model")
     check_weights(model_dir, config)  # first: the memory needed is computed from config.json
     group_size = quantization.get("group_size", GROUP_SIZE)
-    check_memory(weight_bytes(config, dtype, bits or stored_bits, group_size), memory_size(), dtype,
-                 gpu_working_set())
+    check_memory(weight_bytes(config, dtype, bits or stored_bits, group_size, quantization),
+                 memory_size(), dtype, gpu_working_set())
     path = Path(model_dir) / "tokenizer.json"
     try:
         tokenizer = load_tokenizer(model_dir)
@@ -1149,8 +1153,17 @@ def repo_dir(repo):
 
 
 def download_command(repo, model_dir):
+    """The `hf download` command that fetches repo into model_dir, to print. Its --local-dir is
+    relative, so that the command also works on another machine, run from the same place: to the
+    current folder when model_dir is under it, else to this script's folder, with a cd there."""
     files = f" {' '.join(MODEL_FILES)}" if repo == HF_REPO else ""
-    return f"hf download {repo}{files} --local-dir {model_dir}"
+    model_dir, here = Path(model_dir).absolute(), Path.cwd()
+    script_dir, cd = Path(__file__).resolve().parent, ""
+    if model_dir.is_relative_to(here):
+        model_dir = model_dir.relative_to(here)
+    elif model_dir.is_relative_to(script_dir):  # repo_dir() and default_model_dir() are there
+        cd, model_dir = f"cd {shlex.quote(str(script_dir))} && ", model_dir.relative_to(script_dir)
+    return f"{cd}hf download {repo}{files} --local-dir {shlex.quote(str(model_dir))}"
 
 
 def missing_files(names):
@@ -1760,7 +1773,9 @@ def main(argv=None):
     dtype = pick_dtype(args.dtype)
     config, weights, tokenizer, generation_config = load_model(model_dir, dtype, args.quantize)
     wire_weights(weights)
-    bits = args.quantize or stored_quantization(model_dir).get("bits")
+    matrices = [weights["embed_tokens"], weights["lm_head"],
+                *(w for layer in weights["layers"] for w in layer.values())]
+    bits = "/".join(map(str, sorted({w.bits for w in matrices if isinstance(w, Quantized)})))
     eos_ids = eos_token_ids(generation_config, tokenizer)
     sampling, min_p, presence_penalty = sampling_settings(args, generation_config)
     new_pick = picker(min_p, presence_penalty, config)

@@ -6,6 +6,10 @@ cache reused across turns is checked against recomputing the whole conversation 
 filters are checked against transformers' own logits warpers.
 """
 
+import functools
+import io
+import sys
+
 import numpy as np
 import mlx.core as mx
 import pytest
@@ -151,6 +155,56 @@ def test_a_rewritten_history_rolls_the_cache_back_to_where_it_differs(model):
     assert mx.allclose(logits, from_scratch(model, prompt), atol=1e-4, rtol=1e-4)
 
 
+def an_end_id(model, message, at=3):
+    """The random model never writes <|im_end|>: an id that its greedy reply to `message` does write,
+    first at position >= `at`, stands in for it. Returns (that id, the reply before it)."""
+    chat = make_chat(model)
+    reply = run_turn(chat, message, 16)
+    n = next(n for n in range(at, len(reply)) if reply[n] not in reply[:n])
+    return reply[n], reply[:n]
+
+
+def test_a_reply_ended_by_the_end_id_keeps_it_out_of_the_history(model):
+    """The end-of-turn id that stops a reply is not part of it: the next rendering closes the reply
+    with exactly one <|im_end|> (the template's), and the cache, which holds the end id fed back,
+    rolls back over it."""
+    end, before_end = an_end_id(model, "One")
+    chat = make_chat(model)
+    first_prompt = chat.prompt_ids("One")
+    got = [t for t, _ in chat.reply("One", 16, eos_ids={end})]
+    assert got == before_end + [end]  # generate() yields the end id, then stops
+    assert chat.turns == [("One", before_end)]  # the stored reply: without it
+    prompt = chat.prompt_ids("Two")
+    after = prompt[len(first_prompt) + len(before_end):]
+    assert prompt[:len(first_prompt)] == first_prompt
+    assert prompt[len(first_prompt):][:len(before_end)] == before_end
+    assert after == ids(model, "<|im_end|>\n") + ids(model, li.chat_prompt("Two"))
+    assert end not in after and after.count(IM_END) == 2  # the reply's end, then the message's
+    _, logits = next(chat.reply("Two", 1, eos_ids={end}))
+    assert chat.reused == len(first_prompt) + len(before_end)  # not the end id's position
+    assert mx.allclose(logits, from_scratch(model, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_reset_then_the_same_first_message_gives_the_same_reply(model, monkeypatch, capsys):
+    """/reset, then the very first message again: the same greedy reply, and all of the prompt but its
+    last token (fed again for its logits) comes from the cache, which still holds the first turn."""
+    end, before_end = an_end_id(model, "One")
+    chat = make_chat(model)
+    n_prompt = len(chat.prompt_ids("One"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"One\n/reset\nOne\n")))
+    li.chat_loop(chat, 16, li.Sampling(), {end}, hide_think=False)
+    out, err = capsys.readouterr()
+    # The printer shows the end id, an ordinary token here (<|im_end|>, being special, shows nothing).
+    text = model[3].decode(before_end + [end], skip_special_tokens=True).rstrip("\ufffd")
+    assert out == f"{text}\n{text}\n"
+    assert chat.turns == [("One", before_end)]
+    turns = [line.split(" | ")[0] for line in err.splitlines() if line.startswith("Turn ")]
+    assert [t.split(" prefilled")[0] for t in turns] == [
+        f"Turn 1: 0 tokens reused from the cache, {n_prompt}",
+        f"Turn 1: {n_prompt - 1} tokens reused from the cache, 1"]
+    assert "(conversation reset)" in err.splitlines()
+
+
 def short_context_chat(model, context=80):
     folder, config, weights, tokenizer = model
     chat = li.Chat(weights, config._replace(max_position_embeddings=context), tokenizer)
@@ -175,6 +229,29 @@ def test_a_message_that_needs_room_drops_only_the_oldest_turns(model, capsys):
     li.make_room(chat, "Three", 80 - need + 1)  # one token too many: the oldest turn goes
     assert [message for message, _ in chat.turns] == ["Two"]
     assert "forgot the oldest 1 turn)" in capsys.readouterr().err
+
+
+def test_a_conversation_that_fits_exactly_keeps_every_turn(model, capsys):
+    """The prompt and a whole reply filling the context to its last position fit: nothing is dropped;
+    one token more drops the oldest turn."""
+    chat = short_context_chat(model)
+    before = list(chat.turns)
+    need = len(chat.prompt_ids("Three"))
+    li.make_room(chat, "Three", 80 - need)
+    assert chat.turns == before and capsys.readouterr().err == ""
+    li.make_room(chat, "Three", 80 - need + 1)
+    assert chat.turns == before[1:] and "forgot the oldest 1 turn)" in capsys.readouterr().err
+
+
+def test_a_message_alone_that_fits_exactly_is_not_refused(model, capsys):
+    chat = short_context_chat(model)
+    chat.turns = []
+    need = len(chat.prompt_ids("x " * 20))
+    li.make_room(chat, "x " * 20, 80 - need)  # fits: no error
+    assert chat.turns == [] and capsys.readouterr().err == ""
+    with pytest.raises(li.UserError, match=f"makes a {need}-token prompt; with --max-tokens "
+                                           f"{80 - need + 1} that exceeds the model's 80-token"):
+        li.make_room(chat, "x " * 20, 80 - need + 1)
 
 
 def test_ctrl_c_while_making_room_leaves_the_conversation_as_it_was(model, monkeypatch):
@@ -281,6 +358,60 @@ def test_the_filters_chained_keep_what_transformers_keeps(seed, top_k, top_p, mi
     assert kept_by_us(logits, temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p) ==         kept_by_transformers(logits, 0.7, top_k, top_p, min_p)
 
 
+def unambiguous_for_top_p(logits, temperature, top_k, top_p, margin=1e-4):
+    """Whether transformers' top-p choice after top-k does not depend on its sort order: the cut
+    (cumulative mass 1 - top_p, least likely first) falls in no group of tied tokens, nor within
+    `margin` of a boundary between tokens (rounding)."""
+    x = np.array(logits, np.float64) / temperature
+    kept = np.sort(x[x >= np.sort(x)[::-1][top_k - 1]])  # after top-k (ties kept), least likely first
+    q = np.exp(kept - kept.max())
+    q /= q.sum()
+    mass, cut = np.cumsum(q), 1 - top_p
+    _, starts, counts = np.unique(kept, return_index=True, return_counts=True)
+    return all(cut < mass[s] - margin or cut > mass[s + n - 1] + margin for s, n in zip(starts, counts))
+
+
+@functools.cache
+def top_k_top_p_cases():
+    """(seed, top_k, top_p, kept by us, by transformers, how many top-k keeps, what transformers keeps
+    if top-k had kept exactly k tokens) for bfloat16 logits whose k-th largest value is tied, at top-p
+    values whose cut falls in no tie."""
+    cases = []
+    for seed in range(12):
+        logits = bfloat16_logits(seed)
+        values = np.array(logits)
+        for top_k in (20, 50):
+            n_top_k = int(np.sum(values >= np.sort(values)[::-1][top_k - 1]))
+            if n_top_k == top_k:  # no tie at the top-k bar
+                continue
+            exactly_k = values.copy()
+            exactly_k[np.argsort(-values, kind="stable")[top_k:]] = -1e9  # the ties beyond k dropped
+            for top_p in (0.5, 0.7, 0.8, 0.9, 0.95, 0.99, 0.999):
+                if unambiguous_for_top_p(logits, 0.7, top_k, top_p):
+                    cases.append((seed, top_k, top_p,
+                                  kept_by_us(logits, temperature=0.7, top_k=top_k, top_p=top_p),
+                                  kept_by_transformers(logits, 0.7, top_k, top_p), n_top_k,
+                                  kept_by_transformers(mx.array(exactly_k), 0.7, top_k, top_p)))
+    return cases
+
+
+def test_top_k_and_top_p_with_ties_at_the_top_k_bar_keep_what_transformers_keeps():
+    """Top-p after top-k measures the mass over every token top-k keeps, the tokens tied with the k-th
+    included (transformers renormalises over them): the cut moves with them."""
+    for seed, top_k, top_p, ours, theirs, _, _ in top_k_top_p_cases():
+        assert ours == theirs, (seed, top_k, top_p)
+
+
+def test_top_k_and_top_p_ties_are_really_exercised():
+    cases = top_k_top_p_cases()
+    assert len(cases) > 30
+    # Cases where top-p cuts inside what top-k keeps, at a place that the tied tokens move ...
+    moved = [c for c in cases if len(c[4]) < c[5] and c[4] != c[6]]
+    # ... and cases where top-p keeps all of it, the tokens tied at the top-k bar included.
+    whole = [c for c in cases if len(c[4]) == c[5]]
+    assert len(moved) >= 5 and len(whole) >= 3, (len(moved), len(whole))
+
+
 def test_top_p_zero_keeps_the_likeliest_token_alone():
     """transformers keeps at least one token (min_tokens_to_keep); so do we: top_p 0 is greedy."""
     logits = mx.random.normal((4096,), key=mx.random.key(7)) * 2
@@ -301,6 +432,56 @@ def test_presence_penalty_lowers_each_picked_token_once():
     # 2.0 - 0.8 < 1.5, then 1.5 - 0.8 < 1.2, then both penalised once, however often picked.
     assert picked == [0, 1, 0, 0]
     assert li.extra_sampling(0.0, 0.8, 4)(logits, li.Sampling(), mx.random.key(0)).item() == 0
+
+
+def penalised_from_scratch(model, prompt, penalty, n, seen=()):
+    """Greedy with a presence penalty, recomputing everything at each step: the tokens counted are the
+    reply's so far (plus `seen`, to show what counting others would change)."""
+    _, config, _, _ = model
+    expected, counted = [], np.zeros(config.vocab_size, np.float32)
+    counted[list(seen)] = 1
+    for _ in range(n):
+        logits = np.array(from_scratch(model, prompt + expected)) - penalty * counted
+        expected.append(int(np.argmax(logits)))
+        counted[expected[-1]] = 1
+    return expected
+
+
+def test_the_presence_penalty_spares_the_prompts_tokens(model):
+    """A prompt ending where the model repeats one of its tokens next: that token is not yet in the
+    reply, so it is not penalised, and the reply goes on as the reference loop's."""
+    _, config, weights, tokenizer = model
+    start = tokenizer.encode("The capital of France is").ids
+    plain = [t for t, _ in li.generate(start, weights, config, 40)]
+    j = next(j for j in range(len(plain)) if plain[j] in start + plain[:j])  # the first repeat
+    prompt = start + plain[:j]  # it ends where the greedy reply would repeat a prompt token
+    pick = li.extra_sampling(0.0, 2.0, config.vocab_size)
+    got = [t for t, _ in li.generate(prompt, weights, config, 16, pick=pick)]
+    assert got[0] == plain[j] and got[0] in prompt
+    assert got == penalised_from_scratch(model, prompt, 2.0, 16)
+    # Counting the prompt's tokens would change the reply from its first token on.
+    assert penalised_from_scratch(model, prompt, 2.0, 1, seen=prompt)[0] != got[0]
+
+
+def test_each_chat_reply_has_its_own_presence_penalty(model, monkeypatch):
+    """In a chat, the earlier replies are part of the prompt: the penalty of the next reply counts only
+    its own tokens (chat_loop makes a new pick for each). The same message twice: the second reply
+    says a token of the first (40 tokens each)."""
+    _, config, _, _ = model
+    chat = make_chat(model)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"One\nOne\n")))
+    li.chat_loop(chat, 40, li.Sampling(), {IM_END}, hide_think=False,
+                 new_pick=lambda: li.extra_sampling(0.0, 2.0, config.vocab_size))
+    expected = make_chat(model)
+    for message in ("One", "One"):
+        reply = penalised_from_scratch(model, expected.prompt_ids(message), 2.0, 40)
+        expected.turns.append((message, reply))
+    assert chat.turns == expected.turns
+    # Had the second reply's penalty counted the first reply, the second reply would differ.
+    first_reply = expected.turns[0][1]
+    expected.turns.pop()
+    assert penalised_from_scratch(model, expected.prompt_ids("One"), 2.0, 40,
+                                  seen=first_reply) != chat.turns[1][1]
 
 
 def test_generate_applies_the_presence_penalty_to_the_reply_so_far(model):

@@ -268,6 +268,30 @@ def test_sampling_defaults(tiny_model, tmp_path, flags, expected):
     assert (settings[1], settings[3], settings[2], settings[5]) == expected  # T, top-p, top-k, min-p
 
 
+OWN_SAMPLING = {"temperature": 0.5, "top_p": 0.9, "top_k": 30, "min_p": 0.05}  # none of Qwen's values
+
+
+@pytest.mark.parametrize("flags,own,expected", [
+    (["--chat"], OWN_SAMPLING, ("0.5", "0.9", "30", "0.05")),  # thinking: the file's values win
+    (["--chat", "--no-think"], OWN_SAMPLING, ("0.7", "0.8", "20", None)),  # the model card's
+    (["--chat", "--temperature", "0.3", "--top-k", "4"], OWN_SAMPLING, ("0.3", "0.9", "4", "0.05")),
+    (["--chat"], {"temperature": 0.5}, ("0.5", "0.95", "20", None)),  # the rest: the model card's
+    (["--temperature", "0.9"], OWN_SAMPLING, ("0.9", "0.9", "30", "0.05")),  # completion: the file's
+], ids=["chat", "no-think", "flags win", "file lacks keys", "completion"])
+def test_which_sampling_defaults_win(tiny_model, variant, tmp_path, flags, own, expected):
+    """A generation_config.json whose sampling differs from the model card's (Qwen3's file holds the
+    thinking-mode values 0.6, 0.95, 20, so the file and the card agree there)."""
+    generation_config = json.loads((tiny_model / "generation_config.json").read_text())
+    for key in OWN_SAMPLING:
+        generation_config.pop(key, None)
+    folder = variant(generation_config_json=generation_config | own)
+    rc, _, err = run_cli("--model", folder, "--prompt", "Hi", "--max-tokens", 2, "--seed", 3,
+                         *flags, cwd=tmp_path)
+    assert rc == 0, err
+    settings = SETTINGS.search(stderr_lines(err)[1])
+    assert (settings[1], settings[3], settings[2], settings[5]) == expected  # T, top-p, top-k, min-p
+
+
 def test_completion_sampling_falls_back_on_transformers_defaults(variant, tmp_path, reference):
     """Without generation_config.json, top-k 50 and top-p 1.0 as transformers' generate() uses."""
     folder = variant("no-generation-config", generation_config_json=None)

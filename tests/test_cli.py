@@ -15,6 +15,7 @@ import http.server
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -753,6 +754,23 @@ def test_shard_index_invalid(sharded_model, tmp_path, index):
                           f"{folder / 'model.safetensors.index.json'} is not a valid index")
 
 
+@pytest.mark.parametrize("outside", ["../x.safetensors", "absolute", "sub/../../x.safetensors"])
+def test_shard_index_with_one_entry_outside_the_folder(sharded_model, tmp_path, outside):
+    """One tensor of a valid index sent to a file outside the folder, a real shard there: refused,
+    not read (a checkpoint may come from anyone)."""
+    folder = shutil.copytree(sharded_model, tmp_path / "m")
+    (folder / "sub").mkdir()  # so that sub/../../x.safetensors resolves, sorting after the shards
+    name = "model.layers.1.mlp.up_proj.weight"
+    shutil.copy(folder / shard_of(folder, name), tmp_path / "x.safetensors")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"][name] = str(tmp_path / "x.safetensors") if outside == "absolute" else outside
+    assert (folder / index["weight_map"][name]).resolve() == tmp_path / "x.safetensors"
+    assert len(set(index["weight_map"].values())) == 4  # the three shards, still named, and it
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
+                          f"{folder / 'model.safetensors.index.json'} is not a valid index")
+
+
 def test_sharded_tensor_missing(sharded_model, tmp_path):
     name = "model.layers.1.mlp.up_proj.weight"
     folder = shutil.copytree(sharded_model, tmp_path / "m")
@@ -789,6 +807,25 @@ def test_mlx_quantized_folder_gives_the_quantize_text(tiny_model, converted_4bit
                                                   cwd=tmp_path))
         assert lines[0].endswith(", 4-bit weights")
         assert text == expected
+
+
+def test_mixed_precision_folder_runs_and_says_its_bits(tiny_model, tmp_path):
+    """mlx-lm's mixed_3_6 recipe: 3 bits, 6 for the head and some layers (config.json's "quantization"
+    says 4 at the top, which no matrix uses). The CLI checks and loads it; its text is the folder's,
+    read in this process, and the model line names the bits really used."""
+    from mlx_lm import convert
+
+    folder = tmp_path / "tiny-mixed"
+    convert(hf_path=str(tiny_model), mlx_path=str(folder), quantize=True, quant_predicate="mixed_3_6",
+            q_group_size=64)
+    assert json.loads((folder / "config.json").read_text())["quantization"]["bits"] == 4
+    dtype = li.pick_dtype("auto")
+    reference = Reference(tiny_model, dtype)
+    reference.weights = li.load_quantized(folder, li.load_config(folder), dtype)
+    text, lines, _, _ = parse_success(run_cli("--model", folder, "--max-tokens", 24, cwd=tmp_path))
+    assert lines[0].endswith(", 3/6-bit weights"), lines[0]
+    assert text == reference.text(PROMPT, 24)
+    assert text != Reference(tiny_model, dtype, 4).text(PROMPT, 24)  # not what 4 bits would say
 
 
 def test_sharded_mlx_quantized_folder(tiny_model, converted_4bit, tmp_path):
@@ -895,7 +932,8 @@ def no_download_leftovers(app):
 def test_default_folder_missing_no_download(app):
     model_dir = app / "Qwen3-0.6B"
     assert_one_line_error(run_cli("--no-download", cwd=app, script=app / SCRIPT.name), 1,
-                          f"model folder {model_dir} not found", "--no-download", MANUAL_DOWNLOAD, f"--local-dir {model_dir}")
+                          f"model folder {model_dir} not found", "--no-download", MANUAL_DOWNLOAD,
+                          "--local-dir Qwen3-0.6B")  # relative to the current folder (app)
     assert not model_dir.exists()
 
 
@@ -1090,7 +1128,7 @@ def test_repo_id_failing_midway_leaves_nothing(app, sharded_model):
     first, rest = err.split("\n", 1)
     assert first.startswith(f"Downloading {REPO} (8 files, ")
     assert_one_line_error((rc, out, rest), 1, f"could not download {REPO}",
-                          f"hf download {REPO} --local-dir {app / REPO}")
+                          f"fetch it by hand with: hf download {REPO} --local-dir {REPO}")
     assert leftovers(app) == []  # not even an empty someone/ folder
 
 
@@ -1102,8 +1140,47 @@ def test_repo_id_offline(app):
 
 def test_repo_id_no_download(app):
     assert_one_line_error(run_cli("--model", REPO, "--no-download", cwd=app, script=app / SCRIPT.name), 1,
-                          "--no-download", f"hf download {REPO} --local-dir {app / REPO}")
+                          "--no-download", f"fetch it with: hf download {REPO} --local-dir {REPO}")
     assert leftovers(app) == []
+
+
+def run_printed_command(command, cwd, tmp_path):
+    """Run a printed `hf download ...` line with bash, with a fake `hf` that only records where it
+    runs; returns the folder its --local-dir names, resolved from there."""
+    bin_dir, log = tmp_path / "fake-bin", tmp_path / "hf-log"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "hf").write_text('#!/bin/sh\npwd -P > "$HF_LOG"\nprintf "%s\\n" "$@" >> "$HF_LOG"\n')
+    (bin_dir / "hf").chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HF_LOG": str(log)}
+    subprocess.run(["bash", "-c", command], cwd=cwd, env=env, check=True, timeout=30)
+    where, *args = log.read_text().splitlines()
+    assert args[:2] == ["download", args[1]] and args[-2] == "--local-dir", args
+    return (Path(where) / args[-1]).resolve()
+
+
+@pytest.mark.parametrize("where", ["the current folder", "next to the script"])
+def test_the_printed_download_command_works_here_and_on_another_machine(tmp_path, where):
+    """The command printed when a model cannot be downloaded holds no path of this machine but, when the
+    model folder is not under the current folder, a cd to the script's folder: run as printed, it fills
+    the model folder here; run from the same place in a copy elsewhere (another machine), the copy's."""
+    app = tmp_path / "my app"  # a space, as in a Mac's "Application Support": the paths are quoted
+    app.mkdir()
+    shutil.copy(SCRIPT, app / SCRIPT.name)
+    cwd = app if where == "the current folder" else tmp_path / "elsewhere"
+    cwd.mkdir(exist_ok=True)
+    line = assert_one_line_error(run_cli("--model", REPO, "--no-download", cwd=cwd, script=app / SCRIPT.name),
+                                 1, f"model folder {app / REPO} not found")
+    command = line.split("fetch it with: ", 1)[1]
+    assert run_printed_command(command, cwd, tmp_path) == app / REPO  # here
+    cd = f"cd {shlex.quote(str(app))} && "
+    if where == "the current folder":
+        assert command == f"hf download {REPO} --local-dir {REPO}"
+    else:
+        assert command == f"{cd}hf download {REPO} --local-dir {REPO}"
+        command = command.removeprefix(cd)  # elsewhere, the cd goes to that machine's script folder
+    assert str(tmp_path) not in command
+    other = shutil.copytree(app, tmp_path / "another machine" / "app")
+    assert run_printed_command(command, other, tmp_path) == other / REPO
 
 
 def test_repo_id_not_found(app, tiny_model):

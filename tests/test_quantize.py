@@ -156,3 +156,87 @@ def test_memory_check_counts_the_quantized_bytes(folder, bits, dtype):
                                  *(w for layer in weights["layers"] for w in layer.values())]}
     arrays = [a for w in loaded.values() for a in (w[:3] if isinstance(w, li.Quantized) else [w])]
     assert li.weight_bytes(config, dtype, bits) == sum(a.nbytes for a in arrays)
+
+
+# ------------------------------------------------------------------------------------------------
+# Folders stored quantized with other settings: groups of 32 and 128, mixed precision; read by the
+# program's own loader (load_model: the folder checks, the memory check), not only load_quantized
+# ------------------------------------------------------------------------------------------------
+
+# Groups of 128 need rows of 128: a wider model (every matrix quantized), and TINY_CONFIG, whose
+# 64-wide rows mlx-lm leaves in bfloat16 (only down_proj, 128 wide, is quantized).
+WIDE_CONFIG = TINY_CONFIG | {"hidden_size": 128, "head_dim": 32, "intermediate_size": 256}
+STORED = {  # name: (config, mlx_lm.convert arguments)
+    "4-bit-groups-of-32": (TINY_CONFIG, dict(q_bits=4, q_group_size=32)),
+    "4-bit-groups-of-128": (WIDE_CONFIG, dict(q_bits=4, q_group_size=128)),
+    "4-bit-groups-of-128-partly": (TINY_CONFIG, dict(q_bits=4, q_group_size=128)),
+    "mixed_3_6": (TINY_CONFIG, dict(quant_predicate="mixed_3_6", q_group_size=64)),
+}
+
+
+@pytest.fixture(scope="module", params=list(STORED))
+def stored(request, tmp_path_factory):
+    """(the checkpoint, the folder mlx_lm.convert writes from it, mlx-lm's settings per matrix)."""
+    config, arguments = STORED[request.param]
+    folder = write_checkpoint(tmp_path_factory.mktemp(request.param) / "model", config, seed=1)
+    out = folder.parent / "mlx"
+    convert(hf_path=str(folder), mlx_path=str(out), quantize=True, **arguments)
+    model, _ = mlx_lm_load(str(out))
+    settings = {name: (module.group_size, module.bits) for name, module in model.named_modules()
+                if hasattr(module, "group_size")}  # mlx-lm's QuantizedLinear and QuantizedEmbedding
+    return folder, out, settings
+
+
+def named_matrices(weights, config):
+    named = {"model.embed_tokens": weights["embed_tokens"]}
+    if not config.tie_word_embeddings:
+        named["lm_head"] = weights["lm_head"]
+    for i, layer in enumerate(weights["layers"]):
+        named |= {f"model.layers.{i}.{name.removesuffix('.weight')}": layer[short]
+                  for short, name in li.LAYER_TENSORS.items() if short in MATRICES}
+    return named
+
+
+def test_stored_group_sizes_and_mixed_precision_match_mlx_lm(stored):
+    folder, out, settings = stored
+    config = li.load_config(out)
+    weights = li.load_quantized(out, config, mx.float32)
+    ours = {name: (w.group_size, w.bits) for name, w in named_matrices(weights, config).items()
+            if isinstance(w, li.Quantized)}
+    assert ours == settings  # the same matrices quantized, each with mlx-lm's group size and bits
+    model, tokenizer = mlx_lm_load(str(out))
+    model.set_dtype(mx.float32)
+    ids = tokenizer.encode(PROMPT)
+    theirs = model(mx.array(ids)[None])[0]
+    logits = li.forward(mx.array(ids), weights, config, li.make_cache(config), last_only=False)
+    assert float(theirs.abs().max()) > 1
+    assert float(mx.abs(logits - theirs).max()) < 1e-4
+    ours_tokens = [t for t, _ in li.generate(ids, weights, config, max_tokens=40)]
+    assert len(set(ours_tokens)) > 3
+    assert ours_tokens == [t for t, _ in generate_step(mx.array(ids), model, max_tokens=40)]
+
+
+def loaded_bytes(weights):
+    loaded = {id(w): w for w in [weights["embed_tokens"], weights["norm"], weights["lm_head"],
+                                 *(w for layer in weights["layers"] for w in layer.values())]}
+    return sum(a.nbytes for w in loaded.values() for a in (w[:3] if isinstance(w, li.Quantized) else [w]))
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_load_model_reads_a_stored_folder_and_counts_its_bytes(stored, dtype, monkeypatch):
+    """The CLI's loader: its checks of the folder pass, it loads what load_quantized loads, and its
+    memory check counts exactly the bytes loaded, refusing one byte less memory."""
+    _, out, _ = stored
+    direct = li.load_quantized(out, li.load_config(out), dtype)
+    needed = loaded_bytes(direct)
+    monkeypatch.setattr(li, "gpu_working_set", lambda: None)
+    monkeypatch.setattr(li, "memory_size", lambda: needed - 1)
+    with pytest.raises(li.UserError, match="the weights need"):
+        li.load_model(out, dtype)
+    monkeypatch.setattr(li, "memory_size", lambda: needed)
+    config, weights, _, _ = li.load_model(out, dtype)
+    assert config == li.load_config(out)
+    for key in ("embed_tokens", "norm", "lm_head"):
+        assert equal_weights(weights[key], direct[key]), key
+    for ours, theirs in zip(weights["layers"], direct["layers"]):
+        assert all(equal_weights(ours[short], theirs[short]) for short in li.LAYER_TENSORS)
