@@ -201,7 +201,7 @@ def apply_rope(x, offset, theta):
 #
 # Each position emits, per head, a query ("what am I looking for?"), a key ("what do I hold?") and a
 # value ("what do I pass on?"). Its output is an average of the values, weighted by how well its
-# query matches each key: softmax(Q Kᵀ / √head_dim) · V (√128 keeps the scores' variance near 1).
+# query matches each key: softmax(Q Kᵀ / √head_dim) · V; √128 keeps the scores' variance ~1.
 #
 # A dot product cannot tell where tokens are: shuffle the keys and values, and the output stays. So
 # RoPE (section 5) mixes positions into queries and keys, and a causal mask keeps each position
