@@ -21,3 +21,20 @@ the tests start inherit it: they all run with tests/test_cli.py's cli_env(), a c
 import os
 
 os.environ["MLX_ENABLE_TF32"] = "0"
+
+import pytest  # noqa: E402 (after the environment is set)
+
+import llm_inference as li  # noqa: E402
+
+# Part 2 changes how Part 1 runs by rebinding module names (llm_inference.replace()); main() does
+# it, and so do tests. What the module holds before any test runs is Part 1 as written.
+AS_IMPORTED = dict(vars(li))
+
+
+@pytest.fixture(autouse=True)
+def part1_as_written():
+    """Each test starts from Part 1 as written: names a test or main() rebound are put back."""
+    yield
+    for name, value in AS_IMPORTED.items():
+        if vars(li).get(name) is not value:
+            setattr(li, name, value)

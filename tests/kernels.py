@@ -1,20 +1,25 @@
-"""Choosing between llm_inference's hand-written math and MLX's fused kernels inside one test process."""
+"""Choosing between llm_inference's hand-written math (Part 1 as written) and MLX's fused kernels
+(section 12 replaces rms_norm, apply_rope and attend with them) inside one test process."""
 
 from contextlib import contextmanager
 
 import llm_inference as li
 
+FUSED = ("rms_norm", "apply_rope", "attend")
+PART1 = {name: getattr(li, name) for name in FUSED}  # imported before any test replaces them
+
 
 @contextmanager
 def kernels(fused):
-    """Run llm_inference with MLX's fused kernels (fused=True) or its hand-written math (False).
-
-    The flag is read each time rms_norm, apply_rope and attend run: none of them is compiled (only
-    silu_gate is, which does not read it). tests/test_cli.py covers --reference-ops end to end.
-    """
-    before = li.FUSED_KERNELS
-    li.FUSED_KERNELS = fused
+    """Run llm_inference with MLX's fused kernels (fused=True) or Part 1's math (False), then put
+    back the functions that were there before."""
+    before = {name: getattr(li, name) for name in FUSED}
+    for name in FUSED:  # Part 1's own functions: what a fresh import has
+        setattr(li, name, PART1[name])
+    if fused:
+        li.use_fused_kernels()
     try:
         yield
     finally:
-        li.FUSED_KERNELS = before
+        for name, function in before.items():
+            setattr(li, name, function)
