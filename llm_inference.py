@@ -798,10 +798,9 @@ def trace(prompt_ids, weights, config, tokenizer):
     n = step("rms_norm", rms_norm(x, layer["input_layernorm"], eps), "vectors to RMS 1, x gains")
     q, k, v = step("queries_keys_values", queries_keys_values(n, layer, c, 0),
                    "q, k, v heads; QK-norm and RoPE")
-    k, v = step("cache[0].update_and_fetch", cache[0].update_and_fetch(k, v), "all keys, values")
-    heads = step("attend", attend(q, k, v), "softmax(q kᵀ/√d) v, a K/V head per group of q heads")
-    heads = heads.swapaxes(1, 2).reshape(len(prompt_ids), -1)  # the rest of attention()
-    h = step("x + attention", x + linear(heads, layer["o_proj"]), "heads joined, projected, added")
+    step("attend", attend(q, k, v), "softmax(q kᵀ/√d) v; a K/V head serves a group of q heads")
+    h = step("x + attention", x + attention(n, layer, c, cache[0]),
+             "the same through the cache; heads joined, projected by o_proj, added")
     n = rms_norm(h, layer["post_attention_layernorm"], eps)
     x = step("h + swiglu(rms_norm(h))", h + swiglu(n, layer), "feed-forward, added")
     print(f"after each block: the residual stream's size (RMS) and its logit lens: the likeliest "
@@ -820,6 +819,71 @@ def trace(prompt_ids, weights, config, tokenizer):
     print_top_probs(final, tokenizer, 5, file=sys.stdout)
 
 
+# --- 20. Several machines: one model split across processes (tensor parallelism) ------------------
+#
+# A model larger than one Mac's memory can be split across several: Qwen3-32B takes about 65 GB in
+# bfloat16. mlx.launch starts one process per machine (or several on one, to learn), and
+# mx.distributed connects them: over TCP (the ring backend: Ethernet, or Thunderbolt as IP), RDMA
+# over Thunderbolt 5 (JACCL, macOS 26.2+) or NCCL between CUDA GPUs. Each of n processes keeps 1/n
+# of every block, and the split falls where the block needs no exchange:
+# - attention: each process keeps whole heads, 16/n query heads and 8/n key/value heads (rows of
+#   q_proj, k_proj, v_proj: (2048/n, 1024), (1024/n, 1024) each), so it attends on its own;
+#   its heads meet only in o_proj, whose matching columns (1024, 2048/n) it keeps. The products
+#   of n column blocks add up to the whole product: an all_sum of n (seq, 1024) partial outputs.
+# - the feed-forward: each keeps 3072/n of the intermediate channels (rows of gate_proj and
+#   up_proj, columns of down_proj): silu_gate works channel by channel, so the same holds.
+# Two all_sums per block; everything else (embeddings, norms, the LM head, sampling) is whole and
+# identical on every process, so every process picks the same token. Per token that is 2 x 28
+# all_sums of 1024 numbers for Qwen3-0.6B, each a round trip over the link: its latency, not its
+# bandwidth, sets the cost (docs/performance.md measures it). RDMA's few microseconds make it pay;
+# TCP's tens to hundreds cost more than a Mac saves. Over plain Ethernet, pipeline parallelism is
+# the alternative: whole blocks per machine, one transfer per machine and token, but the machines
+# take turns on a single sequence: it adds memory, not speed.
+
+SPLIT_ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # out channels: heads, units
+SPLIT_COLUMNS = ("o_proj", "down_proj")  # in channels: the same heads and units
+
+
+def split_config(config, n):
+    """The model as one of n processes runs it: 1/n of the heads and of the feed-forward."""
+    return config._replace(num_attention_heads=config.num_attention_heads // n,
+                           num_key_value_heads=config.num_key_value_heads // n,
+                           intermediate_size=config.intermediate_size // n)
+
+
+def can_split(config, n, group_size=None):
+    """Whether the heads and the feed-forward divide by n, and, quantized, whether each process's
+    columns of o_proj and down_proj hold whole groups (a group's scale cannot be split)."""
+    c = config  # (query heads are a multiple of key/value heads: whole groups split too)
+    if c.num_key_value_heads % n or c.intermediate_size % n:
+        return False
+    columns = (c.num_attention_heads * c.head_dim // n, c.intermediate_size // n)
+    return not group_size or all(x % group_size == 0 for x in columns)
+
+
+def use_tensor_parallelism(group):
+    """From now on, load_tensor() keeps this process's share of each block's matrices, and
+    attention() and swiglu() add up their partial outputs over the group (run them with
+    split_config's config)."""
+    load_whole, n, rank = load_tensor, group.size(), group.rank()
+
+    def load_share(tensors, name, dtype):
+        weight, kind = load_whole(tensors, name, dtype), name.split(".")[-2]
+        axis = 0 if kind in SPLIT_ROWS else 1 if kind in SPLIT_COLUMNS else None
+        if axis is None:
+            return weight
+        # A contiguous copy of the share: a slice alone would keep the whole matrix alive.
+        parts = [mx.contiguous(mx.split(part, n, axis=axis)[rank])
+                 for part in (weight[:3] if isinstance(weight, Quantized) else [weight])]
+        mx.eval(parts)
+        if isinstance(weight, Quantized):
+            return Quantized(*parts, weight.group_size, weight.bits)
+        return parts[0]
+
+    summed = lambda function: lambda *args: mx.distributed.all_sum(function(*args), group=group)
+    replace(load_tensor=load_share, attention=summed(attention), swiglu=summed(swiglu))
+
+
 # ================================================================================================
 # PART 3: THE PROGRAM AROUND IT
 # ================================================================================================
@@ -827,6 +891,7 @@ def trace(prompt_ids, weights, config, tokenizer):
 import argparse  # the imports only the program needs
 import re
 import shlex
+import signal
 import tempfile
 import time
 
@@ -1127,15 +1192,25 @@ def eos_token_ids(generation_config, tokenizer):
                   if tokenizer.token_to_id(token) is not None}
 
 
-def load_model(model_dir, dtype, bits=None):
-    """Part 1's loaders, after checking what they assume (bits: --quantize, which makes section
-    16's replacements). Returns (config, weights, tokenizer, generation config)."""
+def load_model(model_dir, dtype, bits=None, group=None):
+    """Part 1's loaders, after checking what they assume. bits (--quantize) makes section 16's
+    replacements; a group of several processes section 20's, and each loads its share.
+    Returns (config, weights, tokenizer, generation config); config is this process's share."""
     config, stored = check_config(model_dir)
     if bits and stored.get("bits") and bits != stored["bits"]:
         raise UserError(f"{model_dir} is already quantized to {stored['bits']} bits; drop "
                         "--quantize or point --model at the unquantized model")
     check_weights(model_dir, config, stored)  # first: the sizes come from config.json
-    check_memory(weight_bytes(config, dtype, bits or stored.get("bits"),
+    n = group.size() if group else 1
+    # Quantized, each process's columns must hold whole groups (of the largest size: 128, say).
+    sizes = [how.get("group_size", 0) for how in (stored, *stored.values()) if isinstance(how, dict)]
+    group_size = GROUP_SIZE if bits else max(sizes)
+    if not can_split(config, n, group_size):
+        counts = [str(k) for k in range(1, config.num_key_value_heads + 1)
+                  if can_split(config, k, group_size)]
+        raise UserError(f"{model_dir} cannot be split over {n} processes (whole heads and "
+                        f"quantization groups): use {', '.join(counts)}")
+    check_memory(weight_bytes(split_config(config, n), dtype, bits or stored.get("bits"),
                               stored.get("group_size", GROUP_SIZE), stored),
                  memory_size(), dtype, gpu_working_set())
     path = Path(model_dir) / "tokenizer.json"
@@ -1150,13 +1225,15 @@ def load_model(model_dir, dtype, bits=None):
     generation_config = load_generation_config(model_dir)
     if bits or stored:
         use_quantization(bits, stored)
+    if n > 1:
+        use_tensor_parallelism(group)
     try:
         weights = load_weights(model_dir, config, dtype)
         if config.tie_word_embeddings and stored_head_differs(model_dir):
             weights["lm_head"] = load_tensor(load_tensors(model_dir), "lm_head.weight", dtype)
     except (RuntimeError, ValueError, OSError) as e:  # e.g. a read error halfway through a file
         raise damaged(model_dir, f"holds a damaged weight file ({e})")
-    return config, weights, tokenizer, generation_config
+    return split_config(config, n), weights, tokenizer, generation_config
 
 
 # --- Finding the model: a folder, or a Hugging Face repo id downloaded once into a folder ---------
@@ -1624,8 +1701,43 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda:
               file=sys.stderr)
 
 
+# --- Several processes (mlx.launch, section 20): process 0 reads the input and prints ------------
+
+def share(text, group):
+    """Process 0's text (None: the end of input) on every process of the group: all_sum adds the
+    others' zeros to its bytes."""
+    first = group.rank() == 0
+    data = (text or "").encode("utf-8", "surrogateescape") if first else b""
+    length = mx.array(len(data) + 1 if first and text is not None else 0)  # 0 stands for None
+    length = mx.distributed.all_sum(length, group=group).item()
+    if length == 0:
+        return None
+    data = mx.array(list(data), mx.uint8) if first else mx.zeros(length - 1, mx.uint8)
+    return bytes(mx.distributed.all_sum(data, group=group).tolist()).decode("utf-8",
+                                                                           "surrogateescape")
+
+
+def join(group):
+    """Run as one of the group's processes. Process 0 reads the input, for all (mlx.launch sends
+    stdin to every process), and prints; the others print only their own errors, and die at once
+    on Ctrl-C: generating in step, no process can stop a reply alone."""
+    first, read_prompt_alone, read_message_alone = group.rank() == 0, read_prompt, read_message
+    if first:
+        signal.signal(signal.SIGINT, lambda *_: sys.exit(print("\nInterrupted.", file=sys.stderr)
+                                                         or 130))
+    else:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+    replace(read_prompt=lambda text: share(read_prompt_alone(text) if first else None, group),
+            read_message=lambda interactive: share(
+                read_message_alone(interactive) if first else None, group))
+
+
 def main(argv=None):
     args = parse_args(argv)
+    group = mx.distributed.init()  # several processes when mlx.launch started this (section 20)
+    if group.size() > 1:
+        join(group)
     multi_turn = args.chat and args.prompt is None
     prompt = None if multi_turn else read_prompt(args.prompt or DEFAULT_PROMPT)
     system = as_text(args.system, "--system") if args.system is not None else None
@@ -1643,7 +1755,8 @@ def main(argv=None):
     if args.chat:
         check_chat_template(model_dir)
     dtype = pick_dtype(args.dtype)
-    config, weights, tokenizer, generation_config = load_model(model_dir, dtype, args.quantize)
+    config, weights, tokenizer, generation_config = load_model(model_dir, dtype, args.quantize,
+                                                               group)
     wire_weights(weights)
     # Part 2's replacements, made here (load_model made section 16's for quantized weights).
     if not args.reference_ops:
@@ -1652,6 +1765,8 @@ def main(argv=None):
             compile_model()  # section 13
     eos_ids = eos_token_ids(generation_config, tokenizer)
     sampling, min_p, presence_penalty = sampling_settings(args, generation_config)
+    if group.size() > 1:  # process 0's seed: every process draws the same tokens
+        sampling = sampling._replace(seed=int(share(str(sampling.seed), group)))
     new_reply = lambda: None
     if min_p or presence_penalty:  # section 17, afresh for each reply
         new_reply = lambda: use_extra_sampling(min_p, presence_penalty, config.vocab_size)
@@ -1675,9 +1790,11 @@ def main(argv=None):
     matrices = [weights["embed_tokens"], weights["lm_head"],
                 *(w for layer in weights["layers"] for w in layer.values())]
     bits = "/".join(map(str, sorted({w.bits for w in matrices if isinstance(w, Quantized)})))
+    n = group.size()  # config holds this process's 1/n of the heads
     print(f"Model: {model_dir.resolve().name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
-          f"{c.num_attention_heads} Q heads, {c.num_key_value_heads} KV heads) on "
-          f"{'gpu' if mx.default_device() == mx.gpu else 'cpu'}, {str(dtype).split('.')[-1]}"
+          f"{c.num_attention_heads * n} Q heads, {c.num_key_value_heads * n} KV heads) on "
+          f"{'gpu' if mx.default_device() == mx.gpu else 'cpu'}"
+          f"{f' x {n} processes' if n > 1 else ''}, {str(dtype).split('.')[-1]}"
           f"{f', {bits}-bit weights' if bits else ''}", file=sys.stderr)
     if MLX_CPU_WHEEL and not OPENBLAS:
         print(OPENBLAS_HINT, file=sys.stderr)
@@ -1714,8 +1831,16 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except UserError as e:
-        print(f"llm_inference.py: error: {e}", file=sys.stderr)
+    except UserError as e:  # any process's: its own (the others' output goes nowhere)
+        rank = mx.distributed.init().rank()
+        print(f"llm_inference.py: error{f' (process {rank})' if rank else ''}: {e}",
+              file=sys.__stderr__)
+        sys.exit(1)
+    except RuntimeError as e:  # expected only when another process of a group stopped
+        if mx.distributed.init().size() == 1:
+            raise
+        print(f"llm_inference.py: error: another process stopped ({e}); ending",
+              file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C while loading: no traceback
         mx.synchronize()  # nothing left queued on the GPU at exit, as after Ctrl-C in stream()
