@@ -1050,7 +1050,7 @@ def check_weights(model_dir, config, quantization):
     if unexplained:
         raise UserError(f"{where} holds {plural(len(unexplained), 'tensor')} that config.json "
                         f"does not describe, such as {unexplained[0]!r}: config.json "
-                        f"({config.num_hidden_layers} layers) does not match the weights")
+                        f"(num_hidden_layers {config.num_hidden_layers}, ...) does not match them")
 
 
 def stored_head_differs(model_dir):
@@ -1621,9 +1621,17 @@ def read_message(interactive):
     line = read_line(interactive, ">>> ")
     if line is None or line.strip() != '"""':
         return line
-    lines = []
-    while (line := read_line(interactive, "... ")) is not None and line.strip() != '"""':
+    lines, error = [], None
+    while True:
+        try:
+            line = read_line(interactive, "... ")
+        except UserError as e:  # a bad line spoils the message: read on to its end, then say so
+            error, line = e, ""
+        if line is None or line.strip() == '"""':
+            break
         lines.append(line)
+    if error:
+        raise error
     return "\n".join(lines)
 
 
@@ -1739,7 +1747,8 @@ def main(argv=None):
     if group.size() > 1:
         join(group)
     multi_turn = args.chat and args.prompt is None
-    prompt = None if multi_turn else read_prompt(args.prompt or DEFAULT_PROMPT)
+    prompt = None if multi_turn else read_prompt(
+        DEFAULT_PROMPT if args.prompt is None else args.prompt)
     system = as_text(args.system, "--system") if args.system is not None else None
     if args.chat and args.temperature == 0:
         print("warning: Qwen advises against greedy decoding (--temperature 0) in chat: in "

@@ -1,4 +1,4 @@
-"""Multi-turn chat (Part 1, section 13) and the sampling filters (section 10).
+"""Multi-turn chat (Part 2, section 18) and the sampling filters (sections 10 and 17).
 
 A conversation's token ids are checked against Qwen3's official chat template, rendered by transformers
 (the template is in tests/checkpoint.py) and against renderings written out by hand from its rules; the
@@ -299,6 +299,113 @@ def test_ctrl_c_inside_a_step_leaves_a_usable_cache(model, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------
+# The chat loop's input and seeds: commands, multi-line messages, Windows text, a seed per reply
+# ------------------------------------------------------------------------------------------------
+
+def recorded(replies, got):
+    """Chat.reply's (token id, logits) pairs, passed on, their ids appended to `got`."""
+    try:
+        for token_id, logits in replies:
+            got.append(token_id)
+            yield token_id, logits
+    finally:  # stream() closes it on Ctrl-C: Chat.reply then files the partial reply
+        replies.close()
+
+
+def talk(chat, monkeypatch, data, max_tokens=2, sampling=li.Sampling()):
+    """chat_loop with `data` piped on stdin. Returns what it sent to the model: a (message, ids of
+    its reply) pair for each call of chat.reply."""
+    sent = []
+
+    def reply(message, *args):
+        sent.append((message, []))
+        return recorded(li.Chat.reply(chat, message, *args), sent[-1][1])
+
+    monkeypatch.setattr(chat, "reply", reply)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    li.chat_loop(chat, max_tokens, sampling, {IM_END}, hide_think=False)
+    return sent
+
+
+@pytest.mark.parametrize("seed", [3, 2**64 - 1])  # 2**64 - 1: the second reply wraps around to 0
+def test_each_reply_draws_with_its_own_seed_and_the_conversation_repeats(model, monkeypatch,
+                                                                         capsys, seed):
+    """The same message twice, with /reset between: reply n (from 0, /reset or not) samples with
+    seed + n, so the two replies differ (no filter, temperature 1: every token is a fresh draw),
+    and the same input with the same seed gives the same conversation again."""
+    _, config, weights, _ = model
+    sampling = li.Sampling(temperature=1.0, top_k=0, top_p=1.0, seed=seed)
+    prompt = make_chat(model).prompt_ids("One")
+    expected = [[t for t, _ in li.generate(prompt, weights, config, 12,
+                                           sampling._replace(seed=s), {IM_END})]
+                for s in (seed, (seed + 1) % 2**64)]
+    assert expected[0] != expected[1]  # the seeds do make a difference here
+    chat = make_chat(model)
+    sent = talk(chat, monkeypatch, b"One\n/reset\nOne\n", 12, sampling)
+    assert sent == [("One", expected[0]), ("One", expected[1])]
+    assert chat.replies == 2 and chat.turns == [("One", expected[1])]
+    out = capsys.readouterr().out
+    again = make_chat(model)
+    assert talk(again, monkeypatch, b"One\n/reset\nOne\n", 12, sampling) == sent
+    assert capsys.readouterr().out == out and again.turns == chat.turns
+
+
+def test_commands_ignore_case_have_aliases_and_never_reach_the_model(model, monkeypatch, capsys):
+    """Only a line that is one /word is a command: /usr/bin, say, is a message."""
+    assert all(word in li.CHAT_HELP for word in ("/reset", "/exit", '"""'))
+    chat = make_chat(model)
+    chat.turns = [("Hi", ids(model, "Hello!"))]
+    data = b"/help\n/?\n/foo\n/RESET\n/Clear\n/usr/bin\n/Quit\nNever answered\n"
+    sent = talk(chat, monkeypatch, data)
+    assert [message for message, _ in sent] == ["/usr/bin"]
+    assert chat.turns == sent  # /RESET forgot "Hi"
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("Turn ")]
+    assert err == [li.CHAT_HELP, li.CHAT_HELP, f"unknown command /foo: {li.CHAT_HELP}",
+                   "(conversation reset)", "(conversation reset)"]
+    assert sys.stdin.buffer.read() == b"Never answered\n"  # /Quit ended the chat there
+
+
+@pytest.mark.parametrize("command", ["/exit", "/Quit", "/BYE", "  /bye  "])
+def test_each_way_to_say_exit_ends_the_chat(model, monkeypatch, capsys, command):
+    sent = talk(make_chat(model), monkeypatch, f"{command}\nNever answered\n".encode())
+    assert sent == [] and sys.stdin.buffer.read() == b"Never answered\n"
+    assert capsys.readouterr() == ("", "")
+
+
+def test_lines_between_two_triple_quote_lines_are_one_message(model, monkeypatch):
+    message = "First line,\n  an indented one,\n\nafter an empty one."
+    data = b'"""\n' + message.encode() + b'\n"""\nNext\n'
+    chat = make_chat(model)
+    sent = talk(chat, monkeypatch, data)
+    assert [message for message, _ in sent] == [message, "Next"]  # then one line is one again
+    # The model saw the lines joined with "\n" as the first user message.
+    first = ids(model, li.chat_prompt(message))
+    assert chat.cached_ids[:len(first)] == first
+    assert model[3].decode(first, skip_special_tokens=False) == li.chat_prompt(message)
+
+
+def test_piped_text_with_a_bom_and_crlf_gives_the_same_messages_as_plain_text(model, monkeypatch,
+                                                                               capsys):
+    unix = b'One\n"""\nTwo\nlines\n"""\n/RESET\nThree\n'
+    windows = b"\xef\xbb\xbf" + unix.replace(b"\n", b"\r\n")  # as Notepad saves it
+    conversations = []
+    for data in (unix, windows):
+        sent = talk(make_chat(model), monkeypatch, data)
+        conversations.append((sent, capsys.readouterr().out))
+    assert [message for message, _ in conversations[0][0]] == ["One", "Two\nlines", "Three"]
+    assert conversations[1] == conversations[0]
+
+
+def test_a_multi_line_message_with_a_line_that_is_not_utf8_is_skipped_whole(model, monkeypatch,
+                                                                             capsys):
+    """One error, and none of the message's lines sent on their own (bugs-chat.md)."""
+    sent = talk(make_chat(model), monkeypatch, b'"""\nOne\ncaf\xe9\nTwo\n"""\nHi\n')
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "not valid UTF-8" in errors[0]
+    assert [message for message, _ in sent] == ["Hi"]
+
+
+# ------------------------------------------------------------------------------------------------
 # Sampling filters against transformers' warpers
 # ------------------------------------------------------------------------------------------------
 
@@ -345,7 +452,8 @@ def test_top_k_ties_are_really_exercised():
 @pytest.mark.parametrize("temperature", [0.6, 1.5])
 def test_min_p_keeps_the_tokens_transformers_keeps(seed, min_p, temperature):
     logits = bfloat16_logits(seed)
-    assert kept_by_us(logits, temperature=temperature, min_p=min_p) ==         kept_by_transformers(logits, temperature, min_p=min_p)
+    assert kept_by_us(logits, temperature=temperature, min_p=min_p) == \
+        kept_by_transformers(logits, temperature, min_p=min_p)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -355,7 +463,8 @@ def test_the_filters_chained_keep_what_transformers_keeps(seed, top_k, top_p, mi
     # Distinct float32 logits: with ties at the top-p boundary, transformers' choice depends on its
     # sort order (we keep all tied tokens: the rule in filter_logits).
     logits = mx.random.normal((4096,), key=mx.random.key(100 + seed)) * 2
-    assert kept_by_us(logits, temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p) ==         kept_by_transformers(logits, 0.7, top_k, top_p, min_p)
+    assert kept_by_us(logits, temperature=0.7, top_k=top_k, top_p=top_p, min_p=min_p) == \
+        kept_by_transformers(logits, 0.7, top_k, top_p, min_p)
 
 
 def unambiguous_for_top_p(logits, temperature, top_k, top_p, margin=1e-4):
@@ -427,11 +536,12 @@ def test_top_p_keeps_tokens_tied_with_the_last_one_kept():
 
 def test_presence_penalty_lowers_each_picked_token_once():
     logits = mx.array([2.0, 1.5, 1.0, 0.0])
-    pick = li.extra_sampling(0.0, 0.8, 4)  # greedy, remembering what it picked
-    picked = [pick(logits, li.Sampling(), mx.random.key(0)).item() for _ in range(4)]
+    li.use_extra_sampling(0.0, 0.8, 4)  # greedy, remembering what it picked
+    picked = [li.sample(logits, li.Sampling(), mx.random.key(0)).item() for _ in range(4)]
     # 2.0 - 0.8 < 1.5, then 1.5 - 0.8 < 1.2, then both penalised once, however often picked.
     assert picked == [0, 1, 0, 0]
-    assert li.extra_sampling(0.0, 0.8, 4)(logits, li.Sampling(), mx.random.key(0)).item() == 0
+    li.use_extra_sampling(0.0, 0.8, 4)  # called again (before the next reply): it starts afresh
+    assert li.sample(logits, li.Sampling(), mx.random.key(0)).item() == 0
 
 
 def penalised_from_scratch(model, prompt, penalty, n, seen=()):
@@ -455,8 +565,8 @@ def test_the_presence_penalty_spares_the_prompts_tokens(model):
     plain = [t for t, _ in li.generate(start, weights, config, 40)]
     j = next(j for j in range(len(plain)) if plain[j] in start + plain[:j])  # the first repeat
     prompt = start + plain[:j]  # it ends where the greedy reply would repeat a prompt token
-    pick = li.extra_sampling(0.0, 2.0, config.vocab_size)
-    got = [t for t, _ in li.generate(prompt, weights, config, 16, pick=pick)]
+    li.use_extra_sampling(0.0, 2.0, config.vocab_size)
+    got = [t for t, _ in li.generate(prompt, weights, config, 16)]
     assert got[0] == plain[j] and got[0] in prompt
     assert got == penalised_from_scratch(model, prompt, 2.0, 16)
     # Counting the prompt's tokens would change the reply from its first token on.
@@ -464,14 +574,14 @@ def test_the_presence_penalty_spares_the_prompts_tokens(model):
 
 
 def test_each_chat_reply_has_its_own_presence_penalty(model, monkeypatch):
-    """In a chat, the earlier replies are part of the prompt: the penalty of the next reply counts only
-    its own tokens (chat_loop makes a new pick for each). The same message twice: the second reply
-    says a token of the first (40 tokens each)."""
+    """In a chat, the earlier replies are part of the prompt: the penalty of the next reply counts
+    only its own tokens (chat_loop calls new_reply before each, which starts the sampler afresh).
+    The same message twice: the second reply says a token of the first (40 tokens each)."""
     _, config, _, _ = model
     chat = make_chat(model)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"One\nOne\n")))
     li.chat_loop(chat, 40, li.Sampling(), {IM_END}, hide_think=False,
-                 new_pick=lambda: li.extra_sampling(0.0, 2.0, config.vocab_size))
+                 new_reply=lambda: li.use_extra_sampling(0.0, 2.0, config.vocab_size))
     expected = make_chat(model)
     for message in ("One", "One"):
         reply = penalised_from_scratch(model, expected.prompt_ids(message), 2.0, 40)
@@ -489,13 +599,13 @@ def test_generate_applies_the_presence_penalty_to_the_reply_so_far(model):
     _, config, weights, tokenizer = model
     prompt = tokenizer.encode("The capital of France is").ids
     penalty = 2.0
-    pick = li.extra_sampling(0.0, penalty, config.vocab_size)
-    got = [t for t, _ in li.generate(prompt, weights, config, 16, pick=pick)]
+    plain = [t for t, _ in li.generate(prompt, weights, config, 16)]  # before sample is replaced
+    li.use_extra_sampling(0.0, penalty, config.vocab_size)
+    got = [t for t, _ in li.generate(prompt, weights, config, 16)]
     expected, seen = [], np.zeros(config.vocab_size, np.float32)
     for _ in range(16):
         logits = np.array(from_scratch(model, prompt + expected)) - penalty * seen
         expected.append(int(np.argmax(logits)))
         seen[expected[-1]] = 1
     assert got == expected
-    plain = [t for t, _ in li.generate(prompt, weights, config, 16)]
     assert plain != got  # the random model repeats itself without the penalty

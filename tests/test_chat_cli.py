@@ -155,6 +155,32 @@ def test_reset_and_exit(tiny_model, reference, hf_tokenizer, tmp_path):
     assert out == "".join(text + "\n" for text in texts)
 
 
+CHAT_LINE = ("Chat: {how}, up to {n} tokens per reply. /reset starts over; /exit or Ctrl-D ends; "
+             'Ctrl-C stops a reply; """ on a line of its own starts and ends a message of several '
+             "lines.")
+
+
+def test_a_sampled_chat_draws_each_reply_with_the_next_seed(tiny_model, reference, hf_tokenizer,
+                                                            tmp_path):
+    """--seed 5: the first reply samples with seed 5, the second (after /reset, to the same
+    message) with seed 6, so the two differ. --reference-ops: the in-process reference's own
+    functions, so that no rounding difference can change a draw."""
+    rc, out, err = run_cli("--model", tiny_model, "--chat", "--temperature", 1, "--top-k", 0,
+                           "--top-p", 1, "--seed", 5, "--max-tokens", 8, "--reference-ops",
+                           cwd=tmp_path, stdin=b"One\n/reset\nOne\n")
+    assert rc == 0 and "Traceback" not in err, err
+    how = "temperature 1.0, top-k off, top-p 1.0, seed 5"
+    assert stderr_lines(err)[1] == CHAT_LINE.format(how=how, n=8)
+    ids = official_ids(hf_tokenizer, reference, None, [], "One", True)
+    replies = [[t for t, _ in li.generate(ids, reference.weights, reference.config, 8,
+                                          li.Sampling(1.0, 0, 1.0, seed), reference.eos_ids)]
+               for seed in (5, 6)]
+    assert replies[0] != replies[1]
+    texts = [reference.tokenizer.decode(reply, skip_special_tokens=True).rstrip("\ufffd")
+             for reply in replies]
+    assert out == "".join(text + "\n" for text in texts)
+
+
 def test_a_conversation_outgrowing_the_context_forgets_its_oldest_turns(
         tiny_model, reference, hf_tokenizer, variant, tmp_path):
     config = json.loads((tiny_model / "config.json").read_text()) | {"max_position_embeddings": 80}
@@ -310,11 +336,12 @@ def test_presence_penalty_reaches_the_sampler(tiny_model, reference, tmp_path):
                            "--presence-penalty", "2", cwd=tmp_path)
     assert rc == 0, err
     assert stderr_lines(err)[1].endswith("presence penalty 2.0, greedy")
-    pick = li.extra_sampling(0.0, 2.0, reference.config.vocab_size)
+    plain = reference.text("Hi", 16)  # before sample() is replaced
+    li.use_extra_sampling(0.0, 2.0, reference.config.vocab_size)
     ids = [t for t, _ in li.generate(reference.ids("Hi"), reference.weights, reference.config, 16,
-                                     li.Sampling(), reference.eos_ids, pick=pick)]
+                                     li.Sampling(), reference.eos_ids)]
     assert out == reference.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd") + "\n"
-    assert out != reference.text("Hi", 16) + "\n"  # the penalty changed the reply
+    assert out != plain + "\n"  # the penalty changed the reply
 
 
 def test_greedy_chat_warns_in_one_line(tiny_model, tmp_path):
