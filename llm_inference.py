@@ -1019,6 +1019,8 @@ def check_weights(model_dir, config, quantization):
         raise damaged(model_dir, f"lacks {missing[0]}, one of the {len(files)} shards named in "
                       f"{WEIGHTS_INDEX} ({len(missing)} missing)")
     for path in files:
+        if not path.is_file():
+            raise UserError(f"cannot read {path}: a directory or no file")
         try:
             tensors |= {name: (path, tensor) for name, tensor in mx.load(str(path)).items()}
         except (RuntimeError, ValueError) as e:
@@ -1268,9 +1270,9 @@ def missing_files(names):
 
 def download_model(repo, model_dir):
     """Fetch the files Part 1 reads from a Hugging Face repo into model_dir. huggingface_hub writes
-    each file under a temporary name, renames it once complete, and resumes one cut off when run
-    again. The weights come last, an index after its shards: a folder cut off midway never looks
-    complete, and the next run fetches the rest."""
+    each file under a temporary name and renames it once complete. The weights come last, an index
+    after its shards: a folder cut off midway never looks complete, and the next run fetches what
+    is missing."""
     import huggingface_hub as hub  # only needed here, on the first run
 
     sizes = {s.rfilename: s.size or 0
@@ -1301,14 +1303,17 @@ def find_model(model_arg, allow_download):
     """The model folder. --model is a folder when that path exists or is no repo id, and is never
     downloaded into (it may hold another model). A repo id (default: Qwen/Qwen3-0.6B, in
     ./Qwen3-0.6B if present) is downloaded into its folder next to this script when incomplete."""
-    repo = None if model_arg and Path(model_arg).exists() else repo_id(model_arg or HF_REPO)
+    repo, script_dir = repo_id(model_arg or HF_REPO), Path(__file__).resolve().parent
+    if model_arg and Path(model_arg).exists() and (
+            repo is None or Path(model_arg).resolve() != script_dir / repo):  # not a download
+        repo = None
     if repo is None:
         model_dir = Path(model_arg)
     elif model_arg:
-        model_dir = Path(__file__).resolve().parent / repo
+        model_dir = script_dir / repo
     else:  # ./Qwen3-0.6B when present, else the one next to this script
         model_dir = Path("Qwen3-0.6B")
-        model_dir = model_dir if model_dir.is_dir() else Path(__file__).resolve().parent / model_dir
+        model_dir = model_dir if model_dir.is_dir() else script_dir / model_dir
     # Names, not files: a directory in a file's place is reported as unreadable when read.
     missing = missing_files({p.name for p in model_dir.iterdir()} if model_dir.is_dir() else ())
     if not missing:

@@ -12,6 +12,7 @@ real Qwen tokenizer), built once per session; bad-input cases copy it and break 
 import ast
 import hashlib
 import http.server
+import itertools
 import json
 import os
 import re
@@ -39,6 +40,7 @@ STATS = re.compile(  # a rate is left out where there is none (no token generate
 )
 ERROR_PREFIX = "llm_inference.py: error: "
 MANUAL_DOWNLOAD = "hf download Qwen/Qwen3-0.6B"
+DEVICE = "gpu" if mx.default_device() == mx.gpu else "cpu"  # as the model line names it
 
 
 # ------------------------------------------------------------------------------------------------
@@ -194,7 +196,9 @@ def test_greedy_matches_in_process_generation(tiny_model, greedy_24, tmp_path):
     text, lines, n_prompt, n_generated = parse_success(run_cli("--model", tiny_model, "--max-tokens", 24,
                                                                cwd=tmp_path))
     assert text == greedy_24
-    assert lines[0].startswith("Model: tiny-qwen3 (2 layers, 64 dim, 4 Q heads, 2 KV heads) on ")
+    dtype = str(li.pick_dtype("auto")).split(".")[-1]  # --dtype auto, by the same rule
+    assert lines[0] == ("Model: tiny-qwen3 (2 layers, 64 dim, 4 Q heads, 2 KV heads) "
+                        f"on {DEVICE}, {dtype}")
     assert lines[1] == f"Prompt: {PROMPT!r} (5 tokens), greedy"
     assert len(lines) == 3
     assert (n_prompt, n_generated) == (5, 24)
@@ -224,11 +228,14 @@ def test_top_probs_table(tiny_model, reference, greedy_24, tmp_path):
         assert m[2] == repr(reference.tokenizer.decode([token_id]))
 
 
-def test_prompt_from_stdin(tiny_model, greedy_24, tmp_path):
-    # `echo ... |` adds a newline: it is not part of the prompt.
+@pytest.mark.parametrize("stdin", [PROMPT + "\n", "\ufeff" + PROMPT + "\r\n"],
+                         ids=["echo", "BOM and CRLF"])
+def test_prompt_from_stdin(tiny_model, greedy_24, tmp_path, stdin):
+    # `echo ... |` adds a newline: it is not part of the prompt. A file saved by Windows Notepad
+    # starts with a byte-order mark and ends its lines with CRLF: the same prompt.
     text, lines, n_prompt, n_generated = parse_success(
         run_cli("--model", tiny_model, "--max-tokens", 24, "--prompt", "-", cwd=tmp_path,
-                stdin=(PROMPT + "\n").encode()))
+                stdin=stdin.encode()))
     assert text == greedy_24
     assert lines[1] == f"Prompt: {PROMPT!r} (5 tokens), greedy"
     assert (n_prompt, n_generated) == (5, 24)
@@ -313,6 +320,15 @@ def test_a_long_prompt_is_shortened_in_the_header(tiny_model, reference, tmp_pat
     assert lines[1] == f"Prompt: {prompt[:60] + '…'!r} ({n_prompt} tokens), greedy"
 
 
+def test_the_header_shows_the_prompt_escaped_but_emoji_whole(tiny_model, reference, tmp_path):
+    prompt = "Family:\t\U0001f468\u200d\U0001f469\u200d\U0001f467"  # a tab; 3 emoji joined by ZWJ
+    _, lines, n_prompt, _ = parse_success(run_cli("--model", tiny_model, "--prompt", prompt,
+                                                  "--max-tokens", 1, cwd=tmp_path))
+    assert n_prompt == len(reference.ids(prompt))
+    shown = "'Family:\\t\U0001f468\u200d\U0001f469\u200d\U0001f467'"  # repr() writes \u200d
+    assert lines[1] == f"Prompt: {shown} ({n_prompt} tokens), greedy"
+
+
 def test_model_dot_is_named_after_its_folder(variant, tmp_path):
     folder = variant("my-qwen")
     _, lines, _, _ = parse_success(run_cli("--model", ".", "--max-tokens", 2, cwd=folder))
@@ -332,6 +348,31 @@ def test_context_limit_is_inclusive(tiny_model, variant, tmp_path):
     assert (n_prompt, n_generated) == (5, 11)
 
 
+def test_default_max_tokens_is_at_most_half_the_context(tiny_model, variant, tmp_path):
+    _, _, n_prompt, n_generated = parse_success(run_cli("--model", tiny_model, cwd=tmp_path))
+    assert (n_prompt, n_generated) == (5, 100)
+    # Half of a 16-token context: 8 (a whole prompt of 8 more would still fit).
+    folder = variant(config_json=tiny_config(tiny_model) | {"max_position_embeddings": 16})
+    _, _, n_prompt, n_generated = parse_success(run_cli("--model", folder, cwd=tmp_path))
+    assert (n_prompt, n_generated) == (5, 8)
+
+
+@pytest.mark.parametrize("flags, fused, compiled",
+                         [([], True, True), (["--no-compile"], True, False),
+                          (["--reference-ops"], False, False)],
+                         ids=["default", "--no-compile", "--reference-ops"])
+def test_flags_choose_part_2s_replacements(tiny_model, capsys, flags, fused, compiled):
+    """main() makes section 12's and 13's replacements unless told not to: --reference-ops runs
+    Part 1 as written, compilation included."""
+    part1 = {name: getattr(li, name) for name in ("rms_norm", "apply_rope", "attend", "silu_gate")}
+    assert li.main(["--model", str(tiny_model), "--max-tokens", "1", *flags]) == 0
+    assert capsys.readouterr().out
+    kernels = (li.fused_rms_norm, li.fused_rope, li.fused_attend) if fused else (
+        part1["rms_norm"], part1["apply_rope"], part1["attend"])
+    assert (li.rms_norm, li.apply_rope, li.attend) == kernels
+    assert li.silu_gate is (li.compiled_silu_gate if compiled else part1["silu_gate"])
+
+
 def test_no_cache_and_no_compile_give_the_same_greedy_text(tiny_model, greedy_24, tmp_path):
     for flags in (["--no-cache"], ["--no-compile"], ["--no-cache", "--no-compile", "--reference-ops"]):
         text, _, _, n_generated = parse_success(run_cli("--model", tiny_model, "--max-tokens", 24, *flags,
@@ -339,39 +380,85 @@ def test_no_cache_and_no_compile_give_the_same_greedy_text(tiny_model, greedy_24
         assert (text, n_generated) == (greedy_24, 24), flags
 
 
+TRACE_STEP = re.compile(r"  (\S.*?) +-> (.+?)  \((.+)\)")  # name, the shapes it makes, what it does
+
+
 @pytest.mark.parametrize("flags", [[], ["--no-compile"]], ids=["compiled", "not compiled"])
 def test_trace_narrates_one_forward_pass(tiny_model, reference, tmp_path, flags):
     # float32 by name: --dtype auto is bfloat16 on a GPU.
-    rc, out, err = run_cli("--model", tiny_model, "--trace", "--dtype", "float32", *flags, cwd=tmp_path)
-    assert rc == 0 and out == "" and "Traceback" not in err, err
-    lines = err.splitlines()
-    assert "tokens: 5 ids [785, 6722, 315, 9625, 374]" in lines
+    rc, out, err = run_cli("--model", tiny_model, "--trace", "--dtype", "float32", *flags,
+                           cwd=tmp_path)
+    assert rc == 0 and "Traceback" not in err, err
+    # The trace is the program's output (stdout); stderr has the header and no statistics line.
+    header = stderr_lines(err)
+    assert len(header) == 2, err
+    assert header[0].startswith("Model: tiny-qwen3 (2 layers, ")
+    assert header[0].endswith(f" on {DEVICE}, float32"), header[0]
+    assert header[1] == f"Prompt: {PROMPT!r} (5 tokens), greedy"
+    lines = out.splitlines()
+    assert lines[:3] == ["tokens: 5 ids 785 6722 315 9625 374",
+                         "        'The' ' capital' ' of' ' France' ' is'",
+                         "block 0, step by step (Part 1's functions):"], lines[:3]
     c = reference.config
-    # Block 0 call by call, in pipeline order, with the shapes of this checkpoint (no batch axis).
-    after = lines[lines.index("block 0, call by call:") + 1:]
-    steps = [line.split()[0] for line in after if line.startswith("  ") and not line.strip().startswith("(")]
-    assert steps[:10] == ["rms_norm", "rms_norm", "apply_rope", "rms_norm", "apply_rope", "queries_keys_values",
-                          "cache.update_and_fetch", "attend", "attention", "rms_norm"], steps
-    assert steps[10] == "swiglu"
-    attend = next(line for line in lines if line.startswith("  attend"))
-    assert f"-> (1, {c.num_attention_heads}, 5, {c.head_dim}) float32" in attend
-    done = [re.match(r"block +\d+ done: residual stream \(5, 64\) float32, RMS [\d.]+, lens: (.+) ([\d.]+)$",
-                     line) for line in lines if line.startswith("block ") and " done: " in line]
-    assert len(done) == c.num_hidden_layers and all(done), done
-    # The top-5 table ends the trace, headed by greedy's first token, which the last block's lens shows.
-    table = lines[lines.index("rank  token                 id  probability") + 1:]
-    first = Reference(tiny_model, mx.float32).generate(PROMPT, 1)[0]  # float32, as traced
-    assert len(table) == 5 and int(table[0].split()[-2]) == first
-    lens_token, lens_probability = done[-1].groups()
-    assert ast.literal_eval(lens_token) == reference.tokenizer.decode([first])
-    assert float(lens_probability) == pytest.approx(float(table[0].split()[-1]), abs=1e-3)
+    # Block 0 step by step, in pipeline order, each with the shapes it makes (no batch axis
+    # outside attention), from the embedding rows to the residual stream the block leaves.
+    steps = [TRACE_STEP.fullmatch(line) for line in itertools.takewhile(
+        lambda line: line.startswith("  "), lines[3:])]
+    assert steps and all(steps), lines[3:]
+    shapes = {m[1]: m[2] for m in steps}
+    names = [m[1] for m in steps]
+    part1 = ["embed", "rms_norm", "queries_keys_values", "attend"]
+    assert names[0] == "embed" and [n for n in names if n in part1] == part1, names
+    q, kv = (f"(1, {heads}, 5, {c.head_dim}) float32"
+             for heads in (c.num_attention_heads, c.num_key_value_heads))
+    assert shapes["embed"] == shapes["rms_norm"] == "(5, 64) float32"
+    assert shapes["queries_keys_values"] == f"{q}, {kv}, {kv}"
+    assert shapes["attend"] == q
+    assert steps[-1][2] == "(5, 64) float32"
+    # The model's own next token: greedy's first, in float32 as traced; the top five as its logits.
+    float32 = Reference(tiny_model, mx.float32)
+    logits = li.forward(mx.array(float32.ids(PROMPT)), float32.weights, float32.config,
+                        li.make_cache(float32.config))
+    top5 = mx.argsort(-logits)[:5].tolist()
+    assert top5[0] == float32.generate(PROMPT, 1)[0]
+    pick = repr(float32.tokenizer.decode([top5[0]]))
+    rest = lines[3 + len(steps):]
+    assert rest[0].startswith("after each block: ") and f"the rank there of {pick}" in rest[0]
+    # After each block, in order: the residual stream's size and its logit lens, with the rank
+    # there of the final pick.
+    done = [re.fullmatch(rf"block +(\d+) done: residual stream \(5, 64\) float32, RMS ([\d.]+), "
+                         rf"lens: (.+) ([\d.]+), {re.escape(pick)} #(\d+)", line)
+            for line in rest[1:1 + c.num_hidden_layers]]
+    assert all(done), rest
+    assert [int(m[1]) for m in done] == list(range(c.num_hidden_layers))
+    assert all(float(m[2]) > 0 and int(m[5]) >= 1 for m in done)
+    # The last block's lens is the model's output: its top token is the pick, ranked first.
+    assert (ast.literal_eval(done[-1][3]), int(done[-1][5])) == (ast.literal_eval(pick), 1)
+    # The top-5 table ends the trace, headed by the pick.
+    assert rest[1 + c.num_hidden_layers:] == [
+        f"final RMSNorm + LM head -> logits ({c.vocab_size},) float32; the next token's "
+        "probabilities:", "rank  token                 id  probability", *rest[-5:]], rest
+    table = [re.fullmatch(r"\s*(\d+)  (.+?)\s+(\d+)  (\d\.\d{4})", row) for row in rest[-5:]]
+    assert all(table), rest[-5:]
+    assert [int(m[1]) for m in table] == [1, 2, 3, 4, 5]
+    assert [int(m[3]) for m in table] == top5
+    assert [ast.literal_eval(m[2]) for m in table] == [float32.tokenizer.decode([i]) for i in top5]
+    assert float(done[-1][4]) == pytest.approx(float(table[0][4]), abs=1e-3)
 
 
-def test_trace_shows_special_tokens_as_they_are(tiny_model, tmp_path):
-    rc, out, err = run_cli("--model", tiny_model, "--chat", "--prompt", "Hi", "--trace", cwd=tmp_path)
-    assert rc == 0, err
-    pieces = err.splitlines()[err.splitlines().index(next(l for l in err.splitlines() if l.startswith("tokens:"))) + 1]
-    assert pieces.split()[:3] == ["'<|im_start|>'", "'user'", "'\\n'"], pieces
+def test_trace_shows_special_tokens_as_they_are(tiny_model, reference, tmp_path):
+    message = "What is the capital of France, and what is the capital of Spain?"
+    rc, out, err = run_cli("--model", tiny_model, "--chat", "--prompt", message, "--trace",
+                           cwd=tmp_path)
+    assert rc == 0 and "Traceback" not in err, err
+    ids = reference.ids(f"<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n")
+    assert len(ids) > 16  # the first 16 are shown, then the count
+    pieces = [repr(reference.tokenizer.decode([i], skip_special_tokens=False)) for i in ids[:16]]
+    tokens, shown = out.splitlines()[:2]
+    assert tokens == f"tokens: {len(ids)} ids {' '.join(map(str, ids[:16]))} … ({len(ids)})"
+    assert shown == f"        {' '.join(pieces)} … ({len(ids)})"
+    assert shown.split()[:3] == ["'<|im_start|>'", "'user'", "'\\n'"], shown
+
 
 def test_help_says_what_each_dtype_costs(tmp_path):
     rc, out, err = run_cli("--help", cwd=tmp_path)
@@ -419,7 +506,8 @@ BAD_FLAGS = [
     (["--seed", "abc"], ["--seed", "abc"]),
     (["--seed", "-1"], ["--seed", "-1"]),
     (["--temperature", "nan"], ["--temperature", "finite"]),
-    (["--temperature", "1e-45"], ["--temperature", "at least 0.0001", "use 0 for greedy"]),  # printed token 0
+    (["--temperature", "1e-45"],  # printed token 0
+     ["--temperature", "must be 0 (greedy) or at least 0.0001, got 1e-45"]),
     (["--top-p", "inf"], ["--top-p", "finite"]),
     (["--top-probs", "0"], ["--top-probs", "0"]),
     (["--dtype", "int8"], ["--dtype", "int8"]),
@@ -431,6 +519,7 @@ BAD_FLAGS = [
     (["--bogus"], ["--bogus"]),
     (["--model", ""], ["--model", "is empty", "repo id"]),  # meant the default, and a 1.5 GB download
     (["--trace", "--top-probs", "3"], ["--top-probs", "--trace"]),  # the trace showed 5 rows all the same
+    (["--trace", "--no-cache"], ["--no-cache does not apply to --trace"]),  # one pass, no cache
 ]
 
 
@@ -460,8 +549,11 @@ def test_file_unreadable(variant, tmp_path, filename):
     EISDIR on Linux and macOS alike, for root too, and is reported as unreadable, not as missing."""
     folder = variant(**{filename.replace(".", "_"): None})
     (folder / filename).mkdir()
-    line = assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, str(folder / filename))
-    assert re.search(r"cannot (read|load)", line) and "directory" in line, line
+    path = folder / filename
+    expected = {"tokenizer.json": f"{path} cannot be loaded ("}.get(filename,
+                                                                    f"cannot read {path}: ")
+    line = assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, expected)
+    assert "directory" in line, line
 
 
 def test_config_not_json(variant, tmp_path):
@@ -518,7 +610,8 @@ def test_chat_accepts_the_hybrid_template_as_jinja_file(tiny_model, variant, ref
 def test_chat_template_file_unreadable(variant, tmp_path):
     folder = variant(tokenizer_config_json=b"{oops")
     assert_one_line_error(run_cli("--model", folder, "--chat", cwd=tmp_path), 1,
-                          f"cannot read {folder / 'tokenizer_config.json'}")
+                          f"{folder / 'tokenizer_config.json'} is not valid JSON (",
+                          "; re-download it")
 
 
 def test_config_and_weights_disagreeing_is_said_before_the_memory_they_would_need(tiny_model, variant, tmp_path):
@@ -654,8 +747,9 @@ def test_safetensors_truncated(tiny_model, variant, tmp_path, keep):
     header_end = 8 + int.from_bytes(data[:8], "little")
     size = {"half": len(data) // 2, "header only": header_end, "4 bytes": 4}[keep]
     folder = variant(model_safetensors=data[:size])
-    line = assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, str(folder / "model.safetensors"))
-    assert re.search(r"damaged|not a readable safetensors", line), line
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
+                          f"{folder / 'model.safetensors'} is not a readable safetensors file (",
+                          "; re-download it")
 
 
 @pytest.mark.parametrize("field, value", [("data_offsets", "x"), ("shape", None), ("data_offsets", [0, "end"])])
@@ -666,13 +760,17 @@ def test_safetensors_header_entry_malformed(tiny_model, variant, tmp_path, field
     header["model.norm.weight"][field] = value
     raw = json.dumps(header).encode()
     folder = variant(model_safetensors=len(raw).to_bytes(8, "little") + raw + data[header_end:])
-    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "model.safetensors is damaged",
-                          "'model.norm.weight'")
+    # mx.load's message names the JSON type error, not the tensor.
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
+                          f"{folder / 'model.safetensors'} is not a readable safetensors file (",
+                          "; re-download it")
 
 
 def test_safetensors_garbage(variant, tmp_path):
     folder = variant(model_safetensors=bytes(range(256)) * 64)
-    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "model.safetensors is not a readable safetensors file")
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
+                          f"{folder / 'model.safetensors'} is not a readable safetensors file (",
+                          "; re-download it")
 
 
 def rewrite_weights(tiny_model, change):
@@ -786,8 +884,8 @@ def test_shard_truncated(sharded_model, tmp_path):
     folder = shutil.copytree(sharded_model, tmp_path / "m")
     shard = folder / shard_of(folder, "model.norm.weight")
     shard.write_bytes(shard.read_bytes()[:-10])
-    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, f"{shard} is damaged",
-                          "re-download")
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
+                          f"{shard} is not a readable safetensors file (", "; re-download it")
 
 
 @pytest.fixture(scope="session")
@@ -821,7 +919,8 @@ def test_mixed_precision_folder_runs_and_says_its_bits(tiny_model, tmp_path):
     assert json.loads((folder / "config.json").read_text())["quantization"]["bits"] == 4
     dtype = li.pick_dtype("auto")
     reference = Reference(tiny_model, dtype)
-    reference.weights = li.load_quantized(folder, li.load_config(folder), dtype)
+    li.use_quantization(None, li.check_config(folder)[1])  # the folder's own bits, per matrix
+    reference.weights = li.load_weights(folder, li.load_config(folder), dtype)
     text, lines, _, _ = parse_success(run_cli("--model", folder, "--max-tokens", 24, cwd=tmp_path))
     assert lines[0].endswith(", 3/6-bit weights"), lines[0]
     assert text == reference.text(PROMPT, 24)
@@ -882,12 +981,15 @@ def test_quantized_tensor_wrong_shape(converted_4bit, tmp_path):
 
 def test_tokenizer_garbage(variant, tmp_path):
     folder = variant(tokenizer_json=b"not a tokenizer")
-    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, f"cannot load {folder / 'tokenizer.json'}")
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
+                          f"{folder / 'tokenizer.json'} cannot be loaded (", "; re-download it")
 
 
 def test_generation_config_not_json(variant, tmp_path):
     folder = variant(generation_config_json=b"{oops")
-    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, f"cannot read {folder / 'generation_config.json'}")
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
+                          f"{folder / 'generation_config.json'} is not valid JSON (",
+                          "; delete or re-download it")
 
 
 @pytest.mark.parametrize("prompt", ["", "  \n\t "], ids=["empty", "whitespace"])
@@ -925,8 +1027,23 @@ def app(tmp_path):
     return folder
 
 
-def no_download_leftovers(app):
-    return sorted(p.name for p in app.iterdir() if p.name.startswith(".Qwen3-0.6B.download-"))
+def leftovers(app):
+    """Anything a download left beside the script."""
+    return sorted(p.name for p in app.iterdir() if p.name != SCRIPT.name)
+
+
+def downloaded(folder, finished=True):
+    """The files a download put in folder, after checking that all else there is huggingface_hub's
+    hidden .cache folder (where it keeps what it knows of each file, and, in some versions, a file
+    cut off, to resume it), with no partial file left in it once the download has finished."""
+    names = sorted(p.name for p in folder.iterdir())
+    assert ".cache" in names and (folder / ".cache").is_dir(), names
+    assert not finished or list((folder / ".cache").rglob("*.incomplete")) == []
+    return [name for name in names if name != ".cache"]
+
+
+def online(hub):
+    return dict(HF_HUB_OFFLINE=None, HF_ENDPOINT=hub.url, HF_HUB_DISABLE_PROGRESS_BARS="1")
 
 
 def test_default_folder_missing_no_download(app):
@@ -940,8 +1057,7 @@ def test_default_folder_missing_no_download(app):
 def test_default_folder_missing_offline(app):
     assert_one_line_error(run_cli(cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE="1"), 1,
                           "could not download Qwen/Qwen3-0.6B", MANUAL_DOWNLOAD, str(app / "Qwen3-0.6B"))
-    assert not (app / "Qwen3-0.6B").exists()
-    assert no_download_leftovers(app) == []
+    assert leftovers(app) == []
 
 
 def test_default_folder_missing_unreachable_hub(app):
@@ -949,8 +1065,7 @@ def test_default_folder_missing_unreachable_hub(app):
     result = run_cli(cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE=None, HF_ENDPOINT="http://127.0.0.1:9")
     elapsed = time.monotonic() - start
     assert_one_line_error(result, 1, "could not download Qwen/Qwen3-0.6B", MANUAL_DOWNLOAD)
-    assert not (app / "Qwen3-0.6B").exists()
-    assert no_download_leftovers(app) == []
+    assert leftovers(app) == []
     print(f"unreachable hub: failed after {elapsed:.2f} s")
     assert elapsed < 30, f"took {elapsed:.1f} s to give up on a closed port"
 
@@ -964,7 +1079,7 @@ def test_default_folder_incomplete_offline(app, tiny_model):
     assert_one_line_error(run_cli(cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE="1"), 1,
                           "could not download Qwen/Qwen3-0.6B", MANUAL_DOWNLOAD, "Qwen3-0.6B")
     assert {p.name: p.read_bytes() for p in model_dir.iterdir()} == before  # untouched, nothing added
-    assert no_download_leftovers(app) == []
+    assert leftovers(app) == ["Qwen3-0.6B"]
 
 
 def test_default_folder_incomplete_no_download(app, tiny_model):
@@ -978,16 +1093,19 @@ def test_default_folder_incomplete_no_download(app, tiny_model):
 
 
 class FakeHub:
-    """Just enough of the Hugging Face Hub API, on 127.0.0.1, to serve a folder's files as a repo (by default
-    Qwen/Qwen3-0.6B), plus a README.md and LICENSE like a real repo's, which the script should not fetch."""
+    """Just enough of the Hugging Face Hub API, on 127.0.0.1, to serve a folder's files as a repo
+    (by default Qwen/Qwen3-0.6B), plus a README.md and LICENSE like a real repo's, which the script
+    should not fetch. missing: files answered 404. cut: files whose first download stops halfway
+    (the connection drops), and which are unavailable (503) after that, as when the network goes."""
 
     COMMIT = "c1899de289a04d12100db370d81485cdf75e47ca"
 
-    def __init__(self, folder, missing=(), repo=li.HF_REPO):
+    def __init__(self, folder, missing=(), repo=li.HF_REPO, cut=()):
         self.repo = repo
         self.files = {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
         self.files |= {"README.md": b"# A model\n", "LICENSE": b"Apache-2.0\n"}
         self.missing = set(missing)  # answered 404, as if the repo lacked them
+        self.cut, self.was_cut = set(cut), set()
         self.requests = []
         hub = self
 
@@ -1015,21 +1133,28 @@ class FakeHub:
                         self.send(404, b"Entry not found", body, {"X-Error-Code": "EntryNotFound",
                                                                   "X-Repo-Commit": hub.COMMIT})
                         return
+                    if body and name in hub.was_cut:
+                        self.send(503, b"Service Unavailable", body, {})
+                        return
                     data = hub.files[name]
                     self.send(200, data, body, {"X-Repo-Commit": hub.COMMIT,
                                                 "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
-                                                "Content-Type": "application/octet-stream"})
+                                                "Content-Type": "application/octet-stream"},
+                              cut=body and name in hub.cut)
+                    if body and name in hub.cut:
+                        hub.was_cut.add(name)
                 else:
                     self.send(404, b"Repository not found", body, {"X-Error-Code": "RepoNotFound"})
 
-            def send(self, code, data, body, headers):
+            def send(self, code, data, body, headers, cut=False):
                 self.send_response(code)
                 for key, value in headers.items():
                     self.send_header(key, value)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 if body:
-                    self.wfile.write(data)
+                    self.wfile.write(data[:len(data) // 2] if cut else data)
+                self.close_connection = self.close_connection or cut  # the rest never comes
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -1044,36 +1169,71 @@ class FakeHub:
         self.server.server_close()
 
 
+def fetched(hub):
+    """The files downloaded from the hub, in order."""
+    return [path.rsplit("/", 1)[-1] for method, path in hub.requests
+            if method == "GET" and "/resolve/" in path]
+
+
 def test_download_from_hub(app, tiny_model, greedy_24):
     model_dir = app / "Qwen3-0.6B"
     with FakeHub(tiny_model) as hub:
-        result = run_cli("--max-tokens", 24, cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE=None,
-                         HF_ENDPOINT=hub.url, HF_HUB_DISABLE_PROGRESS_BARS="1")
-    text, lines, n_prompt, n_generated = parse_success((result[0], result[1], result[2].split("\n", 1)[-1]))
-    assert result[2].startswith(f"Downloading {li.HF_REPO} (5 files, ")
+        rc, out, err = run_cli("--max-tokens", 24, cwd=app, script=app / SCRIPT.name, **online(hub))
+    first, rest = err.split("\n", 1)
+    total = sum(len(hub.files[name]) for name in li.MODEL_FILES)
+    assert first == f"Downloading {li.HF_REPO} (5 files, {total / 1e9:.2f} GB) into {model_dir}/"
+    text, lines, n_prompt, n_generated = parse_success((rc, out, rest))
     assert text == greedy_24 and (n_prompt, n_generated) == (5, 24)
-    assert sorted(p.name for p in model_dir.iterdir()) == sorted(li.MODEL_FILES)
-    assert ("GET", f"/{li.HF_REPO}/resolve/main/README.md") not in hub.requests
+    assert downloaded(model_dir) == sorted(li.MODEL_FILES)
     for name in li.MODEL_FILES:
         assert (model_dir / name).read_bytes() == (tiny_model / name).read_bytes(), name
-    assert no_download_leftovers(app) == []
+    # config.json first, alone (into a temporary folder, checked), the weights last: until they
+    # have arrived, the folder does not look complete.
+    gets = fetched(hub)
+    assert gets[0] == "config.json" and gets[-1] == "model.safetensors", gets
+    assert sorted(gets) == sorted([*li.MODEL_FILES, "config.json"]), gets  # no README.md
+    assert leftovers(app) == ["Qwen3-0.6B"]
     # Once there, the folder is used as it is: offline is fine.
     text, _, _, _ = parse_success(run_cli("--max-tokens", 24, cwd=app, script=app / SCRIPT.name))
     assert text == greedy_24
 
 
-def test_download_failing_midway_leaves_nothing(app, tiny_model):
-    with FakeHub(tiny_model, missing={"model.safetensors"}) as hub:
-        result = run_cli(cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE=None, HF_ENDPOINT=hub.url,
-                         HF_HUB_DISABLE_PROGRESS_BARS="1")
-    # config.json and generation_config.json had already arrived when model.safetensors failed.
-    assert ("GET", f"/{li.HF_REPO}/resolve/main/config.json") in hub.requests
-    rc, out, err = result
+@pytest.mark.parametrize("failure", ["missing", "cut"])
+def test_download_failing_midway_never_looks_complete_and_resumes(app, tiny_model, greedy_24,
+                                                                   failure):
+    """The weights fail to arrive (the repo lacks them, or the connection drops halfway through):
+    what did arrive stays, but the folder lacks model.safetensors, so it is not taken for a model;
+    the next run fetches only the rest, and runs."""
+    model_dir = app / "Qwen3-0.6B"
+    with FakeHub(tiny_model, **{failure: {"model.safetensors"}}) as hub:
+        rc, out, err = run_cli(cwd=app, script=app / SCRIPT.name, **online(hub))
+    assert f"/{li.HF_REPO}/resolve/main/model.safetensors" in [path for _, path in hub.requests]
     lines = err.splitlines()
-    assert lines[0].startswith(f"Downloading {li.HF_REPO}")
-    assert_one_line_error((rc, out, "\n".join(lines[1:]) + "\n"), 1, "could not download Qwen/Qwen3-0.6B", MANUAL_DOWNLOAD)
-    assert not (app / "Qwen3-0.6B").exists()
-    assert no_download_leftovers(app) == []
+    assert lines[0].startswith(f"Downloading {li.HF_REPO} (5 files, ")
+    # Between the two: huggingface_hub's own warnings as it retries the cut-off file.
+    assert len(lines) == 2 or failure == "cut", err
+    assert_one_line_error((rc, out, lines[-1] + "\n"), 1,
+                          f"model folder {model_dir} not found, and could not download "
+                          f"{li.HF_REPO} (", "); run again to resume, or fetch it with: "
+                          f"{MANUAL_DOWNLOAD} {' '.join(li.MODEL_FILES)} --local-dir Qwen3-0.6B")
+    assert downloaded(model_dir, False) == sorted(set(li.MODEL_FILES) - {"model.safetensors"})
+    assert li.missing_files(downloaded(model_dir, False)) == ["model.safetensors"]
+    assert leftovers(app) == ["Qwen3-0.6B"]
+    # Without downloads, the folder (./Qwen3-0.6B here) is reported incomplete, not used.
+    assert_one_line_error(run_cli("--no-download", cwd=app, script=app / SCRIPT.name), 1,
+                          f"{ERROR_PREFIX}Qwen3-0.6B lacks model.safetensors and --no-download")
+
+    with FakeHub(tiny_model) as hub:  # the weights are there now
+        rc, out, err = run_cli("--max-tokens", 24, cwd=app, script=app / SCRIPT.name, **online(hub))
+    first, rest = err.split("\n", 1)
+    assert first.startswith(f"Downloading {li.HF_REPO} (5 files, ")
+    text, _, _, n_generated = parse_success((rc, out, rest))
+    assert text == greedy_24 and n_generated == 24
+    # What had arrived is kept (config.json is fetched again, into a temporary folder, to check it).
+    assert [name for name in fetched(hub) if name != "config.json"] == ["model.safetensors"]
+    assert downloaded(model_dir) == sorted(li.MODEL_FILES)
+    for name in li.MODEL_FILES:
+        assert (model_dir / name).read_bytes() == (tiny_model / name).read_bytes(), name
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1081,15 +1241,6 @@ def test_download_failing_midway_leaves_nothing(app, tiny_model):
 # ------------------------------------------------------------------------------------------------
 
 REPO = "someone/Qwen3-Tiny-Sharded"
-
-
-def online(hub):
-    return dict(HF_HUB_OFFLINE=None, HF_ENDPOINT=hub.url, HF_HUB_DISABLE_PROGRESS_BARS="1")
-
-
-def leftovers(app):
-    """Anything a download left beside the script."""
-    return sorted(p.name for p in app.iterdir() if p.name != SCRIPT.name)
 
 
 def test_repo_id_is_downloaded_next_to_the_script_then_reused(app, sharded_model, greedy_24, tmp_path):
@@ -1100,17 +1251,20 @@ def test_repo_id_is_downloaded_next_to_the_script_then_reused(app, sharded_model
                                **online(hub))
     first, rest = err.split("\n", 1)
     shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
-    fetched = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               li.WEIGHTS_INDEX, *shards]
-    total = sum(len(hub.files[name]) for name in fetched)
+    files = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+             li.WEIGHTS_INDEX, *shards]
+    total = sum(len(hub.files[name]) for name in files)
     assert first == f"Downloading {REPO} (8 files, {total / 1e9:.2f} GB) into {app / REPO}/"
     text, _, _, n_generated = parse_success((rc, out, rest))
     assert text == greedy_24 and n_generated == 24
-    gets = [path.rsplit("/", 1)[-1] for method, path in hub.requests if method == "GET" and "/resolve/" in path]
-    assert gets.index(li.WEIGHTS_INDEX) < min(gets.index(name) for name in shards)  # the index, then its shards
-    assert "README.md" not in gets
-    assert sorted(p.name for p in (app / REPO).iterdir()) == sorted(fetched)
-    for name in fetched:
+    gets = fetched(hub)
+    # config.json and the index first, into a temporary folder, checked before the shards; in the
+    # model folder the index comes last, after its shards: until then the folder lacks it.
+    assert gets[:2] == ["config.json", li.WEIGHTS_INDEX], gets
+    assert sorted(gets[-4:-1]) == shards and gets[-1] == li.WEIGHTS_INDEX, gets
+    assert sorted(gets) == sorted([*files, "config.json", li.WEIGHTS_INDEX]), gets  # no README.md
+    assert downloaded(app / REPO) == sorted(files)
+    for name in files:
         assert (app / REPO / name).read_bytes() == hub.files[name], name
     assert leftovers(app) == ["someone"] and leftovers(app / "someone") == [REPO.split("/")[1]]
     # Afterwards: offline, from anywhere, the folder is used as it is; from the script's folder the repo id
@@ -1121,15 +1275,36 @@ def test_repo_id_is_downloaded_next_to_the_script_then_reused(app, sharded_model
         assert text == greedy_24
 
 
-def test_repo_id_failing_midway_leaves_nothing(app, sharded_model):
-    with FakeHub(sharded_model, repo=REPO, missing={"model-00002-of-00003.safetensors"}) as hub:
+def test_repo_id_failing_midway_never_looks_complete_and_resumes(app, sharded_model, greedy_24):
+    """A shard fails to arrive: the index, which comes last, has not either, so the folder does not
+    look complete; the next run fetches the rest, and runs."""
+    model_dir, shards = app / REPO, [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    with FakeHub(sharded_model, repo=REPO, missing={shards[1]}) as hub:
         rc, out, err = run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, **online(hub))
-    assert ("GET", f"/{REPO}/resolve/main/model-00001-of-00003.safetensors") in hub.requests
+    assert ("GET", f"/{REPO}/resolve/main/{shards[0]}") in hub.requests
     first, rest = err.split("\n", 1)
     assert first.startswith(f"Downloading {REPO} (8 files, ")
-    assert_one_line_error((rc, out, rest), 1, f"could not download {REPO}",
-                          f"fetch it by hand with: hf download {REPO} --local-dir {REPO}")
-    assert leftovers(app) == []  # not even an empty someone/ folder
+    assert_one_line_error((rc, out, rest), 1, f"model folder {model_dir} not found, and could not "
+                          f"download {REPO} (", "); run again to resume, or fetch it with: "
+                          f"hf download {REPO} --local-dir {REPO}")
+    files = downloaded(model_dir, finished=False)
+    assert shards[0] in files and shards[1] not in files and li.WEIGHTS_INDEX not in files, files
+    assert li.missing_files(files) == ["model.safetensors"]
+    assert leftovers(app) == ["someone"] and leftovers(app / "someone") == [REPO.split("/")[1]]
+
+    with FakeHub(sharded_model, repo=REPO) as hub:
+        rc, out, err = run_cli("--model", REPO, "--max-tokens", 24, cwd=app,
+                               script=app / SCRIPT.name, **online(hub))
+    first, rest = err.split("\n", 1)
+    assert first.startswith(f"Downloading {REPO} (8 files, ")
+    text, _, _, n_generated = parse_success((rc, out, rest))
+    assert text == greedy_24 and n_generated == 24
+    # What had arrived is kept; config.json and the index are fetched again to be checked first.
+    assert fetched(hub)[:2] == ["config.json", li.WEIGHTS_INDEX]
+    assert fetched(hub)[2:] == [*shards[1:], li.WEIGHTS_INDEX]
+    assert downloaded(model_dir) == sorted(hub.files.keys() - {"README.md", "LICENSE"})
+    for name in downloaded(model_dir):
+        assert (model_dir / name).read_bytes() == hub.files[name], name
 
 
 def test_repo_id_offline(app):
@@ -1138,9 +1313,12 @@ def test_repo_id_offline(app):
     assert leftovers(app) == []
 
 
-def test_repo_id_no_download(app):
-    assert_one_line_error(run_cli("--model", REPO, "--no-download", cwd=app, script=app / SCRIPT.name), 1,
-                          "--no-download", f"fetch it with: hf download {REPO} --local-dir {REPO}")
+@pytest.mark.parametrize("spelled", [REPO, f"{REPO}/", f"https://huggingface.co/{REPO}"],
+                         ids=["id", "trailing slash", "address"])
+def test_repo_id_no_download(app, spelled):
+    result = run_cli("--model", spelled, "--no-download", cwd=app, script=app / SCRIPT.name)
+    assert_one_line_error(result, 1, f"model folder {app / REPO} not found", "--no-download",
+                          f"fetch it with: hf download {REPO} --local-dir {REPO}")
     assert leftovers(app) == []
 
 
@@ -1218,12 +1396,17 @@ def test_existing_folder_named_like_a_repo_id_is_never_downloaded_into(tiny_mode
     assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
 
 
-@pytest.mark.parametrize("text, repo", [("Qwen/Qwen3-1.7B", True), ("mlx-community/Qwen3-4B-4bit", True),
-                                        ("Qwen3-0.6B", False), ("./Qwen/Qwen3-1.7B", False),
-                                        ("/models/Qwen3", False), ("a/b/c", False), ("../x", False),
-                                        ("~/Qwen3", False)])
+@pytest.mark.parametrize("text, repo", [
+    ("Qwen/Qwen3-1.7B", "Qwen/Qwen3-1.7B"),
+    ("mlx-community/Qwen3-4B-4bit", "mlx-community/Qwen3-4B-4bit"),
+    ("Qwen/Qwen3-1.7B/", "Qwen/Qwen3-1.7B"),  # as shells complete a folder's name
+    ("https://huggingface.co/Qwen/Qwen3-1.7B", "Qwen/Qwen3-1.7B"),  # pasted from a browser
+    ("https://huggingface.co/Qwen/Qwen3-1.7B/tree/main", "Qwen/Qwen3-1.7B"),
+    ("https://huggingface.co/Qwen", None),
+    ("Qwen3-0.6B", None), ("./Qwen/Qwen3-1.7B", None), ("/models/Qwen3", None), ("a/b/c", None),
+    ("../x", None), ("~/Qwen3", None)])
 def test_repo_id_or_folder(text, repo):
-    assert li.is_repo_id(text) == repo
+    assert li.repo_id(text) == repo
 
 
 # ------------------------------------------------------------------------------------------------
