@@ -128,7 +128,8 @@ def matmul_speeds(n=4096, reps=20):
         name = str(dtype).split(".")[-1]
         cases[name] = (li.linear, x.astype(dtype), w.astype(dtype))
         for bits in (8, 4):  # quantized from the bfloat16 values, as --quantize does
-            cases[f"{bits}-bit, {name}"] = (li.linear, x.astype(dtype), li.quantize(w, bits, dtype))
+            cases[f"{bits}-bit, {name}"] = (li.quantized_linear, x.astype(dtype),
+                                            li.quantize(w, bits, dtype))
     print(f"one (1, {n}) x ({n}, {n}) product, median of {reps}:")
     for name, (product, *arrays) in cases.items():
         mx.eval(arrays, product(*arrays))
@@ -203,28 +204,35 @@ def print_primitives(counts, context=128):
         print(f"  {kind:<40} {ours[kind]:5} {theirs[kind]:6}")
 
 
-def quantization_error(model_dir, weights):
+def checkpoint_names(config):
+    """{short name: name after "model.layers.{i}."}: "q_proj": "self_attn.q_proj.weight"."""
+    return {name.split(".")[-2]: name for name in li.layer_shapes(config)}
+
+
+def quantization_error(model_dir, config, weights):
     """{matrix: relative error ‖x Ŵᵀ - x Wᵀ‖ / ‖x Wᵀ‖} for layer 0's matrices, W as the checkpoint stores
     it, Ŵ quantized (--quantize), x 64 random float32 rows."""
-    stored = li.load_tensors(model_dir)
+    stored, names = li.load_tensors(model_dir), checkpoint_names(config)
     errors = {}
     for short in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-        w = stored[f"model.layers.0.{li.LAYER_TENSORS[short]}"].astype(mx.float32)
+        w = stored[f"model.layers.0.{names[short]}"].astype(mx.float32)
         q = weights["layers"][0][short]
         q = q._replace(scales=q.scales.astype(mx.float32), biases=q.biases.astype(mx.float32))
         x = mx.random.normal((64, w.shape[1]), key=mx.random.key(3))
         exact = x @ w.T
-        errors[short] = (mx.linalg.norm(li.linear(x, q) - exact) / mx.linalg.norm(exact)).item()
+        error = mx.linalg.norm(li.quantized_linear(x, q) - exact) / mx.linalg.norm(exact)
+        errors[short] = error.item()
     return errors
 
 
-def by_checkpoint_name(weights):
+def by_checkpoint_name(weights, config):
     """Our weights (short names, per layer) under their checkpoint names; a quantized matrix x.weight
     as its three arrays x.weight, x.scales, x.biases, as mlx-lm names them."""
     named = {"model.embed_tokens.weight": weights["embed_tokens"], "model.norm.weight": weights["norm"],
              "lm_head.weight": weights["lm_head"]}
+    names = checkpoint_names(config)
     for i, layer in enumerate(weights["layers"]):
-        named |= {f"model.layers.{i}.{li.LAYER_TENSORS[short]}": w for short, w in layer.items()}
+        named |= {f"model.layers.{i}.{names[short]}": w for short, w in layer.items()}
     arrays = {}
     for name, w in named.items():
         if isinstance(w, li.Quantized):
@@ -241,16 +249,15 @@ def load_pair(model_dir, dtype, bits=None):
     which the tests show hold the same numbers."""
     from mlx_lm.utils import load, quantize_model
 
-    config = li.load_config(model_dir)
-    if bits or li.stored_quantization(model_dir):
-        weights = li.load_quantized(model_dir, config, dtype, bits)
-    else:
-        weights = li.load_weights(model_dir, config, dtype)
+    config, stored = li.check_config(model_dir)  # stored: config.json's "quantization", or {}
+    if bits or stored:  # section 16's replacements, as the command line makes them (load_model)
+        li.use_quantization(bits, stored)
+    weights = li.load_weights(model_dir, config, dtype)
     model, _, raw_config = load(str(model_dir), lazy=True, return_config=True)
     if bits:
         model, _ = quantize_model(model, raw_config, li.GROUP_SIZE, bits)
     names = [name for name, _ in tree_flatten(model.parameters())]
-    named = by_checkpoint_name(weights)
+    named = by_checkpoint_name(weights, config)
     model.update(tree_unflatten([(name, named[name]) for name in names]))
     mx.eval(model.parameters())
     return config, weights, model
@@ -282,11 +289,19 @@ def main():
                     help="instead: time to first token per turn of an N-turn chat, with the cache "
                          "kept across turns vs prefilling the conversation again (--decode-tokens "
                          "per reply)")
+    ap.add_argument("--distributed", action="store_true",
+                    help="instead, under mlx.launch -n N: time to first token and decode speed "
+                         "with the model split over the N processes, ours and mlx-lm's "
+                         "model.shard(), then in process 0 alone (the first --prompt-lengths; "
+                         f"at least {DISTRIBUTED_REPS} runs each)")
     args = ap.parse_args()
     if args.device:
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     dtype = li.pick_dtype(args.dtype)
-    li.compile_model()  # as the command line does
+    li.use_fused_kernels()  # as the command line does (section 12) ...
+    li.compile_model()  # ... and section 13
+    if args.distributed:  # several processes: the last section of this file
+        return distributed_benchmark(args, dtype)
     if args.matmul:
         matmul_speeds()
         return
@@ -306,13 +321,13 @@ def main():
             write_checkpoint(model_dir, TINY_CONFIG if args.tiny else None)
         config, weights, model = load_pair(model_dir, dtype, args.quantize)
         tokenizer = li.load_tokenizer(model_dir)
-        stored_bits = li.stored_quantization(model_dir).get("bits")  # a folder stored quantized
+        stored_bits = li.check_config(model_dir)[1].get("bits")  # a folder stored quantized
         if args.quantize:
-            errors = quantization_error(model_dir, weights)
+            errors = quantization_error(model_dir, config, weights)
             print(f"{args.quantize}-bit quantization, relative error of layer 0's products (‖x Ŵᵀ - x Wᵀ‖ / "
                   f"‖x Wᵀ‖): " + ", ".join(f"{name} {e:.4f}" for name, e in errors.items()))
 
-    unique = {id(w): w for w in by_checkpoint_name(weights).values()}  # a tied head is counted once
+    unique = {id(w): w for w in by_checkpoint_name(weights, config).values()}  # a tied head once
     weight_bytes = sum(w.nbytes for w in unique.values())
     blas = f", {'OpenBLAS' if li.OPENBLAS else 'bundled BLAS'}" if li.MLX_CPU_WHEEL else ""
     bits = f", {args.quantize or stored_bits}-bit weights" if args.quantize or stored_bits else ""
@@ -366,6 +381,135 @@ def main():
     for name, (build, run) in step_breakdown(weights, config, model).items():
         print(f"one decode step, {name}: building the graph {build:.2f} ms (Python), running it {run:.2f} ms")
     print_primitives(primitives_per_step(weights, config, model))
+
+
+# ------------------------------------------------------------------------------------------------
+# Several processes (--distributed): llm_inference's section 20 against mlx-lm's model.shard()
+# ------------------------------------------------------------------------------------------------
+#
+#     mlx.launch -n 2 --backend ring python bench.py --distributed --tiny
+#     mlx.launch -n 2 --backend ring python bench.py --distributed --model Qwen3-0.6B
+#     python bench.py --distributed            # one process: the same table without the split
+#
+# Every process runs this; only process 0 prints. mlx.launch runs the command as given: `python
+# bench.py`, not `bench.py`.
+
+DISTRIBUTED_REPS = 5  # at least this many runs of each runtime, whatever --reps says
+
+
+def distributed_model_dir(args, group, tmp):
+    """--model (never downloaded here: several processes would download into one folder at once),
+    else ./Qwen3-0.6B, else random weights that each process writes for itself (the same ones)."""
+    model_dir = Path("Qwen3-0.6B")
+    if args.model and not args.tiny:
+        model_dir = li.find_model(args.model, allow_download=group.size() == 1)
+    if args.tiny or not (model_dir / "config.json").exists():
+        from tests.checkpoint import TINY_CONFIG, write_checkpoint
+
+        if group.rank() == 0:
+            print(f"writing a random-weight {'tiny' if args.tiny else 'Qwen3-0.6B-shaped'} "
+                  "checkpoint in each process ...", flush=True)
+        model_dir = write_checkpoint(Path(tmp) / "model", TINY_CONFIG if args.tiny else None)
+    return model_dir
+
+
+def load_split(model_dir, dtype, bits, group, replaced):
+    """This process's share of the model, as the command line loads it (llm_inference.load_model,
+    with its replacements: `replaced` is the module as main() left it), and mlx-lm's model split
+    the same way (model.shard()). group None: the whole model."""
+    from mlx_lm.utils import load_model, quantize_model
+
+    for name, value in replaced.items():  # undo the last load_model's replacements
+        if vars(li).get(name) is not value:
+            setattr(li, name, value)
+    config, weights, _, _ = li.load_model(model_dir, dtype, bits, group)
+    model, raw_config = load_model(Path(model_dir), lazy=True)
+    if bits:
+        model, _ = quantize_model(model, raw_config, li.GROUP_SIZE, bits)
+    model.set_dtype(dtype)  # computing in the same dtype as ours (packed integers stay as they are)
+    if group is not None:
+        model.shard(group)
+    mx.eval(model.parameters())
+    return config, weights, model
+
+
+def all_sum_latency(group, size, dtype, reps=200):
+    """Median seconds of one all_sum of `size` numbers over the group: what each of the
+    2 x layers sums per token costs at least."""
+    x = mx.ones((1, size), dtype)
+    for _ in range(20):
+        mx.eval(mx.distributed.all_sum(x, group=group))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        mx.eval(mx.distributed.all_sum(x, group=group))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def compare_split(runners, prompt, n, reps, group=None):
+    """{runtime: median TTFT and decode tok/s, and its tokens}, each runtime in turn, alternating
+    which goes first. In a group, every process runs the same runs in the same order, and each
+    run starts together (a sum as a barrier), so that no process waits inside the timed part."""
+    for name, run in runners.items():  # warm-up: compile, size the allocator
+        timed(run, prompt, min(n, 4))
+    results = {name: [] for name in runners}
+    for rep in range(reps):
+        for name in (list(runners) if rep % 2 == 0 else list(runners)[::-1]):
+            if group is not None:
+                mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
+            results[name].append(timed(runners[name], prompt, n))
+    return {name: {"ttft": statistics.median(r["ttft"] for r in rs),
+                   "decode": statistics.median(r["decode"] for r in rs), "tokens": rs[0]["tokens"]}
+            for name, rs in results.items()}
+
+
+def distributed_benchmark(args, dtype):
+    """Time to first token and decode speed with the model split over this group's processes,
+    ours and mlx-lm's in the same processes; then in process 0 alone, with the whole model (the
+    others exit first: a process waiting in a sum keeps its core busy). Only process 0 prints."""
+    group = mx.distributed.init()
+    n, rank = group.size(), group.rank()
+    reps = max(args.reps, DISTRIBUTED_REPS)
+    length, n_tokens = args.prompt_lengths[0], args.decode_tokens
+    replaced = dict(vars(li))  # the module as main() left it: fused kernels, compiled silu_gate
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            model_dir = distributed_model_dir(args, group, tmp)
+            config = li.check_config(model_dir)[0]
+        except li.UserError as e:
+            sys.exit(f"bench.py: error{f' (process {rank})' if rank else ''}: {e}")
+        prompt = mx.random.randint(0, config.vocab_size, (length,), key=mx.random.key(0)).tolist()
+        latency = None
+        if n > 1:
+            latency = all_sum_latency(group, config.hidden_size, dtype)
+            split, weights, model = load_split(model_dir, dtype, args.quantize, group, replaced)
+            runners = {"ours": ours(weights, split), "mlx-lm": mlx_lm_runner(model)}
+            rows.append((n, compare_split(runners, prompt, n_tokens, reps, group)))
+            del weights, model, runners
+            if rank:
+                return  # process 0 alone from here
+            mx.clear_cache()
+        _, weights, model = load_split(model_dir, dtype, args.quantize, None, replaced)
+        runners = {"ours": ours(weights, config), "mlx-lm": mlx_lm_runner(model)}
+        rows.append((1, compare_split(runners, prompt, n_tokens, reps)))
+    bits = f", {args.quantize}-bit weights" if args.quantize else ""
+    print(f"MLX {mx.__version__}, device {mx.default_device()}, {str(dtype).split('.')[-1]}{bits}, "
+          f"{config.num_hidden_layers} layers, {config.hidden_size} dim; {length}-token prompt, "
+          f"{n_tokens} tokens generated, medians of {reps} runs each, alternating the order")
+    if latency is not None:
+        print(f"one all_sum of {config.hidden_size} {str(dtype).split('.')[-1]} numbers over "
+              f"{n} processes: {latency * 1e6:.0f} µs (median of 200); a token needs "
+              f"{2 * config.num_hidden_layers}")
+    print(f"{'processes':>9} {'runtime':>7} {'TTFT ms':>9} {'decode tok/s':>13}")
+    for processes, medians in rows:
+        for name, m in medians.items():
+            print(f"{processes:>9} {name:>7} {m['ttft'] * 1e3:9.1f} {m['decode']:13.1f}")
+        o, t = medians["ours"], medians["mlx-lm"]
+        same = sum(a == b for a, b in zip(o["tokens"], t["tokens"]))
+        print(f"{'':>9} {'ratio':>7} ours/mlx-lm: TTFT {o['ttft'] / t['ttft']:.2f}x, decode "
+              f"{o['decode'] / t['decode']:.2f}x; greedy tokens identical: {same}/{n_tokens}")
 
 
 if __name__ == "__main__":

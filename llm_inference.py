@@ -1207,7 +1207,7 @@ def load_model(model_dir, dtype, bits=None, group=None):
     # Quantized, each process's columns must hold whole groups (of the largest size: 128, say).
     sizes = [how.get("group_size", 0) for how in (stored, *stored.values()) if isinstance(how, dict)]
     group_size = GROUP_SIZE if bits else max(sizes)
-    if not can_split(config, n, group_size):
+    if n > 1 and not can_split(config, n, group_size):
         counts = [str(k) for k in range(1, config.num_key_value_heads + 1)
                   if can_split(config, k, group_size)]
         raise UserError(f"{model_dir} cannot be split over {n} processes (whole heads and "

@@ -41,12 +41,13 @@ def tiny_folder(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype, bits", [(mx.float32, None), (mx.bfloat16, None), (mx.float32, 8),
                                          (mx.float32, 4)], ids=["float32", "bfloat16", "8-bit", "4-bit"])
-def test_a_decode_step_has_fewer_primitives_than_mlx_lms(tiny_folder, dtype, bits, monkeypatch):
+def test_a_decode_step_has_fewer_primitives_than_mlx_lms(tiny_folder, dtype, bits):
     """bench.py --primitives: the same matrix products in both runtimes, and fewer operations in all
-    in ours (compiled, as the command line runs it)."""
-    monkeypatch.setattr(li, "silu_gate", li.silu_gate)  # put back afterwards
+    in ours (with the fused kernels, compiled, as the command line and bench.py run it)."""
+    li.use_fused_kernels()  # tests/conftest.py puts Part 1 back afterwards
     li.compile_model()
     config, weights, model = bench.load_pair(tiny_folder, dtype, bits)
+    assert (li.linear is li.quantized_linear) == bool(bits)  # section 16's replacements
     counts = bench.primitives_per_step(weights, config, model)
     ours, theirs = counts["ours"], counts["mlx-lm"]
     product = "QuantizedMatmul" if bits else "Matmul"
@@ -54,3 +55,18 @@ def test_a_decode_step_has_fewer_primitives_than_mlx_lms(tiny_folder, dtype, bit
     assert ours[product] == theirs[product] >= 7 * config.num_hidden_layers + 1
     assert ours["ArgReduce"] == theirs["ArgReduce"] == 1  # one greedy pick each
     assert 0 < sum(ours.values()) < sum(theirs.values()), (ours, theirs)
+
+
+@pytest.mark.parametrize("quantize", [[], ["--quantize", "4"]], ids=["float", "4-bit"])
+def test_bench_runs_ours_as_the_command_line_does(monkeypatch, capsys, quantize):
+    """bench.py makes the command line's replacements: section 12's fused kernels and section 13's
+    compiled silu_gate, and with --quantize section 16's quantized loads and products."""
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--tiny", "--primitives", *quantize])
+    bench.main()  # tests/conftest.py puts Part 1 back afterwards
+    assert (li.rms_norm, li.apply_rope, li.attend) == (li.fused_rms_norm, li.fused_rope,
+                                                        li.fused_attend)
+    assert li.silu_gate is li.compiled_silu_gate
+    assert (li.linear is li.quantized_linear) == bool(quantize)
+    out = capsys.readouterr().out
+    assert ", 4-bit weights, 2 layers" in out if quantize else "-bit" not in out
+    assert "primitives per decode step at 128 tokens of context: ours " in out

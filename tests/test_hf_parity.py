@@ -180,19 +180,22 @@ def test_greedy_generation_matches_hf(case, prompt, fused):
     assert len(set(ours)) >= MIN_DISTINCT
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["not compiled", "compiled"])
-def test_logit_lens_after_each_block_matches_hf(case, compiled, monkeypatch):
+@pytest.mark.parametrize("fused, compiled", [(False, False), (True, False), (True, True)],
+                         ids=["reference_ops", "fused", "fused and compiled"])
+def test_logit_lens_after_each_block_matches_hf(case, fused, compiled):
     """--trace's lens: the final norm and LM head applied to the residual stream after each block.
-    After the last block it is the model's own next-token logits."""
-    if compiled:  # compile_model() rebinds a module name; monkeypatch puts it back afterwards
-        monkeypatch.setattr(li, "silu_gate", li.silu_gate)
+    After the last block it is the model's own next-token logits. As --reference-ops runs it (Part
+    1 as written), and with section 12's kernels, with and without section 13's compilation (as
+    the command line runs it)."""
+    if compiled:  # compile_model() rebinds a module name; tests/conftest.py puts it back afterwards
         li.compile_model()
         assert li.silu_gate is li.compiled_silu_gate
     ids = mx.array(case.prompts["short"])
-    x, cache = li.embed(ids, case.weights["embed_tokens"]), li.make_cache(case.config)
-    for i, (layer, layer_cache) in enumerate(zip(case.weights["layers"], cache)):
-        x = li.transformer_block(x, layer, case.config, layer_cache)
-        diff = max_diff(li.logit_lens(x, case.weights, case.config), case.hf_lens[i])
-        assert diff <= TOL, f"block {i}: {diff:.2e}"
-    last = li.forward(ids, case.weights, case.config, li.make_cache(case.config))
-    assert mx.array_equal(li.logit_lens(x, case.weights, case.config), last)
+    with kernels(fused):
+        x, cache = li.embed(ids, case.weights["embed_tokens"]), li.make_cache(case.config)
+        for i, (layer, layer_cache) in enumerate(zip(case.weights["layers"], cache)):
+            x = li.transformer_block(x, layer, case.config, layer_cache)
+            diff = max_diff(li.logit_lens(x, case.weights, case.config), case.hf_lens[i])
+            assert diff <= TOL, f"block {i}: {diff:.2e}"
+        last = li.forward(ids, case.weights, case.config, li.make_cache(case.config))
+        assert mx.array_equal(li.logit_lens(x, case.weights, case.config), last)

@@ -1,5 +1,7 @@
 """The whole model against mlx-lm on the same checkpoint, the KV cache against recomputation, and sampling."""
 
+import json
+import shutil
 import subprocess
 import sys
 
@@ -39,9 +41,15 @@ def test_weights_are_held_per_layer_under_short_names(checkpoint):
     folder, config, weights, _ = checkpoint
     stored = stored_tensors(folder)
     assert len(weights["layers"]) == config.num_hidden_layers
+    names = li.layer_shapes(config)  # checkpoint names after "model.layers.{i}."
+    assert {name.split(".")[-2] for name in names} == {  # the short names, one per tensor
+        "input_layernorm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "o_proj",
+        "post_attention_layernorm", "gate_proj", "up_proj", "down_proj"}
     for i, layer in enumerate(weights["layers"]):
-        assert set(layer) == set(li.LAYER_TENSORS)
-        for short, name in li.LAYER_TENSORS.items():
+        assert set(layer) == {name.split(".")[-2] for name in names}
+        for name, shape in names.items():
+            short = name.split(".")[-2]
+            assert layer[short].shape == shape
             assert mx.array_equal(layer[short], stored[f"model.layers.{i}.{name}"].astype(mx.float32))
     assert mx.array_equal(weights["norm"], stored["model.norm.weight"].astype(mx.float32))
     if config.tie_word_embeddings:
@@ -89,39 +97,46 @@ def test_greedy_continuation_matches_mlx_lm(checkpoint, mlx_lm_model, fused):
     assert ours == theirs
 
 
-def test_bfloat16_logits_close_to_mlx_lm(checkpoint):
+@pytest.mark.parametrize("fused", [True, False])
+def test_bfloat16_logits_close_to_mlx_lm(checkpoint, fused):
     folder, config, _, tokenizer = checkpoint
     weights = li.load_weights(folder, config, mx.bfloat16)
     model, _ = mlx_lm_load(str(folder))  # bfloat16, as stored
     ids = mx.array(tokenizer.encode(PROMPT).ids)
     theirs = model(ids[None])[0, -1].astype(mx.float32)
-    ours = li.forward(ids, weights, config, li.make_cache(config)).astype(mx.float32)
+    with kernels(fused):
+        ours = li.forward(ids, weights, config, li.make_cache(config)).astype(mx.float32)
     # Two bfloat16 implementations round differently; they must still agree to ~1% of the logits' range.
     assert float(mx.abs(ours - theirs).max()) < 0.02 * float(theirs.abs().max())
     assert int(mx.argmax(ours)) == int(mx.argmax(theirs))
 
 
-def test_cached_decoding_equals_recomputing(checkpoint):
+@pytest.mark.parametrize("fused", [True, False])
+def test_cached_decoding_equals_recomputing(checkpoint, fused):
     """Prefill 250 tokens, then decode 20 one at a time across the 256-position chunk boundary: each step's
     logits must equal those of running the whole sequence from scratch without reusing anything."""
     folder, config, weights, _ = checkpoint
     ids = mx.random.randint(0, config.vocab_size, (270,), key=mx.random.key(5))
-    full = li.forward(ids, weights, config, li.make_cache(config), last_only=False)  # (270, vocab)
-    cache = li.make_cache(config)
-    li.forward(ids[:250], weights, config, cache)
-    for i in range(250, 270):
-        step = li.forward(ids[i : i + 1], weights, config, cache)
-        assert float(mx.abs(step - full[i]).max()) < 1e-4, f"position {i}"
+    with kernels(fused):
+        full = li.forward(ids, weights, config, li.make_cache(config), last_only=False)
+        cache = li.make_cache(config)
+        li.forward(ids[:250], weights, config, cache)
+        for i in range(250, 270):
+            step = li.forward(ids[i : i + 1], weights, config, cache)
+            assert float(mx.abs(step - full[i]).max()) < 1e-4, f"position {i}"
     assert all(c.offset == 270 and c.keys.shape[-2] == 2 * li.KVCache.GROWTH for c in cache)
 
 
-def test_chunked_prefill_gives_the_same_tokens(checkpoint, monkeypatch):
+@pytest.mark.parametrize("fused", [True, False])
+def test_chunked_prefill_gives_the_same_tokens(checkpoint, monkeypatch, fused):
     folder, config, weights, _ = checkpoint
     prompt = mx.random.randint(0, config.vocab_size, (50,), key=mx.random.key(6)).tolist()
-    whole = tokens(li.generate(prompt, weights, config, max_tokens=10))
-    assert tokens(li.generate_long(prompt, weights, config, max_tokens=10)) == whole  # one piece
-    monkeypatch.setattr(li, "PREFILL_CHUNK", 16)  # 50 = 16 + 16 + 16 + 2
-    assert tokens(li.generate_long(prompt, weights, config, max_tokens=10)) == whole
+    with kernels(fused):
+        whole = tokens(li.generate(prompt, weights, config, max_tokens=10))
+        # one piece
+        assert tokens(li.generate_long(prompt, weights, config, max_tokens=10)) == whole
+        monkeypatch.setattr(li, "PREFILL_CHUNK", 16)  # 50 = 16 + 16 + 16 + 2
+        assert tokens(li.generate_long(prompt, weights, config, max_tokens=10)) == whole
 
 
 def test_generate_stops_at_end_of_sequence(checkpoint):
@@ -199,12 +214,14 @@ def test_temperature_reshapes_the_distribution(temperature):
     assert np.all(np.abs(freq - expected) <= 5 * np.sqrt(expected * (1 - expected) / len(samples)) + 1e-9)
 
 
-def test_without_the_cache_the_tokens_and_logits_are_the_same(checkpoint):
+@pytest.mark.parametrize("fused", [True, False])
+def test_without_the_cache_the_tokens_and_logits_are_the_same(checkpoint, fused):
     """--no-cache recomputes the whole sequence at every step: slower, but the very same results."""
     folder, config, weights, tokenizer = checkpoint
     ids = tokenizer.encode(PROMPT).ids
-    cached = list(li.generate(ids, weights, config, max_tokens=12))
-    recomputed = list(li.generate_without_cache(ids, weights, config, max_tokens=12))
+    with kernels(fused):
+        cached = list(li.generate(ids, weights, config, max_tokens=12))
+        recomputed = list(li.generate_without_cache(ids, weights, config, max_tokens=12))
     assert [t for t, _ in recomputed] == [t for t, _ in cached]
     for (_, a), (_, b) in zip(cached, recomputed):
         assert float(mx.abs(a - b).max()) < 1e-4
@@ -325,3 +342,68 @@ def test_off_a_mac_nothing_is_wired(tiny, monkeypatch):
     config = li.load_config(tiny)
     li.wire_weights(li.load_weights(tiny, config, mx.float32))
     assert wired == [] and li.gpu_working_set() is None
+
+
+# ---- load_model's checks of a folder whose files do not belong together --------------------------
+
+def copy_with_config(source, folder, **changes):
+    """A copy of a checkpoint folder, its config.json changed."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | changes))
+    return folder
+
+
+def test_a_config_with_fewer_layers_than_the_weights_is_refused(tiny, tmp_path):
+    """config.json says 1 layer, the file holds 2: every tensor Part 1 loads is there, but layer 1's
+    would be silently ignored, giving a different model. Refused, naming one of them."""
+    folder = copy_with_config(tiny, tmp_path / "m", num_hidden_layers=1)
+    with pytest.raises(li.UserError) as error:
+        li.load_model(folder, mx.float32)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"{folder / 'model.safetensors'} holds 11 tensors that config.json "
+                              "does not describe, such as 'model.layers.1.")
+    assert "does not match" in message
+
+
+def test_a_tensor_config_json_does_not_describe_is_refused(tiny, tmp_path):
+    folder = shutil.copytree(tiny, tmp_path / "m")
+    tensors = mx.load(str(folder / "model.safetensors"))
+    tensors["model.layers.0.mlp.extra.weight"] = mx.zeros((4,), mx.bfloat16)
+    mx.save_safetensors(str(folder / "model.safetensors"), tensors, metadata={"format": "pt"})
+    with pytest.raises(li.UserError) as error:
+        li.load_model(folder, mx.float32)
+    message = str(error.value)
+    assert "\n" not in message and "does not match" in message
+    assert message.startswith(f"{folder / 'model.safetensors'} holds 1 tensor that config.json "
+                              "does not describe, such as 'model.layers.0.mlp.extra.weight'")
+
+
+def test_a_tokenizer_larger_than_the_embedding_table_is_refused(tmp_path):
+    """The real Qwen3 tokenizer (151669 tokens) beside a 1000-row embedding table: its ids would
+    index rows the table lacks. One line, before any weight is loaded."""
+    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG | {"vocab_size": 1000})
+    n_tokens = li.load_tokenizer(folder).get_vocab_size(with_added_tokens=True)
+    assert n_tokens == 151669
+    with pytest.raises(li.UserError) as error:
+        li.load_model(folder, mx.float32)
+    assert str(error.value) == (f"{folder / 'tokenizer.json'} has 151669 tokens, but the embedding "
+                                "table has only 1000 rows (vocab_size): not one model's files")
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("head, differs", [(None, False), ("same", False), ("different", True)],
+                         ids=["no stored head", "an exact copy", "a different matrix"])
+def test_stored_head_differs_only_for_a_different_matrix(tmp_path, head, differs, shards):
+    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG, tied_head=head, shards=shards)
+    assert li.stored_head_differs(folder) is differs
+    _, weights, _, _ = li.load_model(folder, mx.float32)
+    if differs:  # the stored head is used, as transformers 5 uses it
+        stored = stored_tensors(folder)["lm_head.weight"].astype(mx.float32)
+        assert weights["lm_head"] is not weights["embed_tokens"]
+        assert mx.array_equal(weights["lm_head"], stored)
+        assert not mx.array_equal(weights["lm_head"], weights["embed_tokens"])
+    else:  # tied: one array, not a copy
+        assert weights["lm_head"] is weights["embed_tokens"]
+

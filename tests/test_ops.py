@@ -4,6 +4,7 @@ Every op is checked twice: the hand-written version (the one the tutorial explai
 reference layer, and the fused kernel the pipeline runs by default against the same.
 """
 
+import collections
 import math
 
 import mlx.core as mx
@@ -96,9 +97,8 @@ def tiny_config(**overrides):
 def random_layer(config, dtype=mx.float32, seed=0):
     """One layer's weights under llm_inference's short names, and under mlx-lm's (checkpoint) names."""
     layer, named = {}, {}
-    shapes = li.weight_shapes(config)
-    for i, (short, name) in enumerate(li.LAYER_TENSORS.items()):
-        shape = shapes[f"model.layers.0.{name}"]
+    for i, (name, shape) in enumerate(li.layer_shapes(config).items()):
+        short = name.split(".")[-2]  # "q_proj" for "self_attn.q_proj.weight"
         if len(shape) == 1:  # norm gains near 1
             layer[short] = (1 + 0.1 * randn(*shape, seed=seed * 1000 + i)).astype(dtype)
         else:  # keep activations O(1): std 1/sqrt(fan_in)
@@ -215,3 +215,51 @@ def test_chat_prompt_matches_qwen3_template():
     # Qwen's template keeps an empty system message as a (empty) system turn.
     assert li.chat_prompt("Hi", system="") == (
         "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_part1_as_written_runs_no_fused_kernel_and_use_fused_kernels_runs_them(monkeypatch):
+    """--reference-ops in one process: Part 1 as written computes RMSNorm, RoPE and attention with
+    its own math, never an mx.fast kernel; after use_fused_kernels() (section 12), every call of
+    rms_norm, apply_rope and attend in Part 1 runs the kernel instead, with the same logits."""
+    c = tiny_config()
+    layers = [random_layer(c, seed=i)[0] for i in range(c.num_hidden_layers)]
+    table = randn(c.vocab_size, c.hidden_size, seed=9) / 4
+    weights = {"embed_tokens": table, "layers": layers, "norm": 1 + 0.1 * randn(c.hidden_size),
+               "lm_head": table}
+    kernels_used = collections.Counter()
+    names = ("rms_norm", "rope", "scaled_dot_product_attention")
+
+    def run():  # a prefill of 5 tokens (a causal mask) and a decode step of one (none)
+        cache = li.make_cache(c)
+        first = li.forward(mx.arange(5), weights, c, cache)
+        return mx.stack([first, li.forward(mx.array([7]), weights, c, cache)])
+
+    def forbidden(name):
+        def kernel(*args, **kwargs):
+            raise AssertionError(f"Part 1 as written ran mx.fast.{name}")
+        return kernel
+
+    for name in names:
+        monkeypatch.setattr(mx.fast, name, forbidden(name))
+    reference = run()
+    mx.eval(reference)
+    monkeypatch.undo()
+
+    def counted(name, kernel):
+        def counting(*args, **kwargs):
+            kernels_used[name] += 1
+            return kernel(*args, **kwargs)
+        return counting
+
+    for name in names:
+        monkeypatch.setattr(mx.fast, name, counted(name, getattr(mx.fast, name)))
+    li.use_fused_kernels()  # put back after the test (tests/conftest.py)
+    fused = run()
+    mx.eval(fused)
+    # Per block and step: 4 norms (input, q, k, post-attention), 2 rotations (q, k), 1 attention;
+    # then the final norm. Two steps.
+    blocks = 2 * c.num_hidden_layers
+    assert kernels_used == {"rms_norm": 4 * blocks + 2, "rope": 2 * blocks,
+                            "scaled_dot_product_attention": blocks}
+    scale = float(mx.abs(reference).max())
+    assert scale > 1 and float(mx.abs(fused - reference).max()) <= 1e-4 * scale

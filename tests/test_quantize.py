@@ -37,6 +37,24 @@ def converted(request, folder):
     return recipe, out
 
 
+def load_quantized(folder, config, dtype, bits=None):
+    """load_weights() with section 16's replacements: each matrix quantized to `bits` as it is read,
+    or read as stored quantized (config.json's "quantization"), as load_model() makes them. Part 1's
+    load_tensor is put back afterwards, so that a later load in the same test reads floats again
+    (linear() and embed() stay replaced: they take plain arrays too)."""
+    as_before = li.load_tensor
+    li.use_quantization(bits, li.check_config(folder)[1])
+    try:
+        return li.load_weights(folder, config, dtype)
+    finally:
+        li.load_tensor = as_before
+
+
+def checkpoint_names(config):
+    """{short name: name after "model.layers.{i}."}: "q_proj": "self_attn.q_proj.weight"."""
+    return {name.split(".")[-2]: name for name in li.layer_shapes(config)}
+
+
 def dequantized(q):
     return mx.dequantize(q.packed, q.scales, q.biases, group_size=q.group_size, bits=q.bits)
 
@@ -48,7 +66,7 @@ def relative_error(approximate, exact):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_each_quantized_product_is_dequantize_then_matmul(folder, bits):
     config = li.load_config(folder)
-    weights = li.load_quantized(folder, config, mx.float32, bits)
+    weights = load_quantized(folder, config, mx.float32, bits)
     stored = mx.load(str(folder / "model.safetensors"))
     x = mx.random.normal((3, config.hidden_size), key=mx.random.key(0))
     for i, layer in enumerate(weights["layers"]):
@@ -62,10 +80,11 @@ def test_each_quantized_product_is_dequantize_then_matmul(folder, bits):
             assert float(mx.abs(li.linear(x_in, q) - exact).max()) < 1e-4 * float(mx.abs(exact).max())
             # The product is close to the checkpoint's own, not equal to it: within 2x what rounding
             # normal weights costs (a group of 64 spans about 4.8 std; error = level / sqrt(12)).
-            original = stored[f"model.layers.{i}.{li.LAYER_TENSORS[short]}"].astype(mx.float32)
+            name = checkpoint_names(config)[short]
+            original = stored[f"model.layers.{i}.{name}"].astype(mx.float32)
             error = relative_error(exact, x_in @ original.T)
             assert 0 < error < {4: 0.2, 8: 0.012}[bits]
-        for short in set(li.LAYER_TENSORS) - set(MATRICES):  # norms stay as they are
+        for short in set(checkpoint_names(config)) - set(MATRICES):  # norms stay as they are
             assert layer[short].dtype == mx.float32 and not isinstance(layer[short], li.Quantized)
     table = weights["embed_tokens"]
     ids = mx.array([785, 6722, 315, 151645])
@@ -83,13 +102,13 @@ def test_quantize_at_load_equals_mlx_lm_convert(folder, converted):
     theirs = mx.load(str(out / "model.safetensors"))
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == bits
     for dtype in (mx.bfloat16, mx.float32):  # the checkpoint's dtype, and float32 activations
-        ours = li.load_quantized(folder, config, dtype, bits)
+        ours = load_quantized(folder, config, dtype, bits)
         named = {"model.embed_tokens": ours["embed_tokens"], "model.norm": ours["norm"]}
         if not config.tie_word_embeddings:
             named["lm_head"] = ours["lm_head"]
         for i, layer in enumerate(ours["layers"]):
             named |= {f"model.layers.{i}.{name[:-len('.weight')]}": layer[short]
-                      for short, name in li.LAYER_TENSORS.items()}
+                      for short, name in checkpoint_names(config).items()}
         assert sorted(f"{name}.{part}" for name, t in named.items()
                       for part in (["weight", "scales", "biases"] if isinstance(t, li.Quantized) else ["weight"])
                       ) == sorted(theirs)
@@ -110,18 +129,32 @@ def equal_weights(a, b):
     return mx.array_equal(a, b) and a.dtype == b.dtype
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_load_model_with_bits_loads_what_load_quantized_loads(folder, bits):
+    """--quantize: load_model() makes section 16's replacements itself, with the same weights."""
+    config, weights, _, _ = li.load_model(folder, mx.float32, bits)
+    expected = load_quantized(folder, config, mx.float32, bits)
+    assert isinstance(weights["embed_tokens"], li.Quantized)
+    assert (weights["lm_head"] is weights["embed_tokens"]) == config.tie_word_embeddings
+    for key in ("embed_tokens", "norm", "lm_head"):
+        assert equal_weights(weights[key], expected[key]), key
+    for ours, theirs in zip(weights["layers"], expected["layers"]):
+        assert all(equal_weights(ours[short], theirs[short]) for short in checkpoint_names(config))
+
+
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 def test_converted_folder_loads_as_quantized_at_load(folder, converted, dtype):
     bits, out = converted
     config = li.load_config(out)
     assert config == li.load_config(folder)
-    direct, at_load = li.load_quantized(out, config, dtype), li.load_quantized(folder, config, dtype, bits)
+    direct = load_quantized(out, config, dtype)
+    at_load = load_quantized(folder, config, dtype, bits)
     assert isinstance(direct["embed_tokens"], li.Quantized)
     assert (direct["lm_head"] is direct["embed_tokens"]) == config.tie_word_embeddings
     for key in ("embed_tokens", "norm", "lm_head"):
         assert equal_weights(direct[key], at_load[key]), key
     for ours, theirs in zip(direct["layers"], at_load["layers"]):
-        assert all(equal_weights(ours[short], theirs[short]) for short in li.LAYER_TENSORS)
+        assert all(equal_weights(ours[short], theirs[short]) for short in checkpoint_names(config))
 
 
 @pytest.mark.parametrize("converted, source", [(4, "at load"), (8, "at load"), (4, "converted"),
@@ -131,9 +164,9 @@ def test_quantized_model_matches_mlx_lm_on_the_converted_folder(folder, converte
     bits, out = converted
     config = li.load_config(folder)
     if source == "at load":  # --quantize on the original checkpoint
-        weights = li.load_quantized(folder, config, mx.float32, bits)
+        weights = load_quantized(folder, config, mx.float32, bits)
     else:  # the converted folder, read as it is
-        weights = li.load_quantized(out, config, mx.float32)
+        weights = load_quantized(out, config, mx.float32)
     model, tokenizer = mlx_lm_load(str(out))
     model.set_dtype(mx.float32)  # scales, biases and norms; the packed integers stay uint32
     ids = tokenizer.encode(PROMPT)
@@ -151,7 +184,7 @@ def test_quantized_model_matches_mlx_lm_on_the_converted_folder(folder, converte
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 def test_memory_check_counts_the_quantized_bytes(folder, bits, dtype):
     config = li.load_config(folder)
-    weights = li.load_quantized(folder, config, dtype, bits)
+    weights = load_quantized(folder, config, dtype, bits)
     loaded = {id(w): w for w in [weights["embed_tokens"], weights["norm"], weights["lm_head"],
                                  *(w for layer in weights["layers"] for w in layer.values())]}
     arrays = [a for w in loaded.values() for a in (w[:3] if isinstance(w, li.Quantized) else [w])]
@@ -193,14 +226,14 @@ def named_matrices(weights, config):
         named["lm_head"] = weights["lm_head"]
     for i, layer in enumerate(weights["layers"]):
         named |= {f"model.layers.{i}.{name.removesuffix('.weight')}": layer[short]
-                  for short, name in li.LAYER_TENSORS.items() if short in MATRICES}
+                  for short, name in checkpoint_names(config).items() if short in MATRICES}
     return named
 
 
 def test_stored_group_sizes_and_mixed_precision_match_mlx_lm(stored):
     folder, out, settings = stored
     config = li.load_config(out)
-    weights = li.load_quantized(out, config, mx.float32)
+    weights = load_quantized(out, config, mx.float32)
     ours = {name: (w.group_size, w.bits) for name, w in named_matrices(weights, config).items()
             if isinstance(w, li.Quantized)}
     assert ours == settings  # the same matrices quantized, each with mlx-lm's group size and bits
@@ -227,7 +260,7 @@ def test_load_model_reads_a_stored_folder_and_counts_its_bytes(stored, dtype, mo
     """The CLI's loader: its checks of the folder pass, it loads what load_quantized loads, and its
     memory check counts exactly the bytes loaded, refusing one byte less memory."""
     _, out, _ = stored
-    direct = li.load_quantized(out, li.load_config(out), dtype)
+    direct = load_quantized(out, li.load_config(out), dtype)
     needed = loaded_bytes(direct)
     monkeypatch.setattr(li, "gpu_working_set", lambda: None)
     monkeypatch.setattr(li, "memory_size", lambda: needed - 1)
@@ -239,4 +272,4 @@ def test_load_model_reads_a_stored_folder_and_counts_its_bytes(stored, dtype, mo
     for key in ("embed_tokens", "norm", "lm_head"):
         assert equal_weights(weights[key], direct[key]), key
     for ours, theirs in zip(weights["layers"], direct["layers"]):
-        assert all(equal_weights(ours[short], theirs[short]) for short in li.LAYER_TENSORS)
+        assert all(equal_weights(ours[short], theirs[short]) for short in checkpoint_names(config))
