@@ -1212,9 +1212,10 @@ def load_model(model_dir, dtype, bits=None, group=None):
                   if can_split(config, k, group_size)]
         raise UserError(f"{model_dir} cannot be split over {n} processes (whole heads and "
                         f"quantization groups): use {', '.join(counts)}")
-    check_memory(weight_bytes(split_config(config, n), dtype, bits or stored.get("bits"),
-                              stored.get("group_size", GROUP_SIZE), stored),
-                 memory_size(), dtype, gpu_working_set())
+    own_head = config.tie_word_embeddings and stored_head_differs(model_dir)  # loaded too
+    check_memory(weight_bytes(split_config(config, n)._replace(tie_word_embeddings=not own_head),
+                              dtype, bits or stored.get("bits"), stored.get("group_size", GROUP_SIZE),
+                              stored), memory_size(), dtype, gpu_working_set())
     path = Path(model_dir) / "tokenizer.json"
     try:
         tokenizer = load_tokenizer(model_dir)
@@ -1231,7 +1232,7 @@ def load_model(model_dir, dtype, bits=None, group=None):
         use_tensor_parallelism(group)
     try:
         weights = load_weights(model_dir, config, dtype)
-        if config.tie_word_embeddings and stored_head_differs(model_dir):
+        if config.tie_word_embeddings and own_head:
             weights["lm_head"] = load_tensor(load_tensors(model_dir), "lm_head.weight", dtype)
     except (RuntimeError, ValueError, OSError) as e:  # e.g. a read error halfway through a file
         raise damaged(model_dir, f"holds a damaged weight file ({e})")
@@ -1584,9 +1585,9 @@ def stream(tokens, printer, on_first_logits=None):
             if printer.n_tokens == 0:
                 first = time.perf_counter()
                 if not mx.all(mx.isfinite(logits)).item():  # checked once: no cost per token
-                    raise UserError("the model computed NaN or infinite logits: in float16, "
-                                    "Qwen3's activations can overflow; try --dtype bfloat16 or "
-                                    "float32 (if that fails too, re-download the weights)")
+                    raise UserError("the model computed NaN or infinite logits: its activations "
+                                    "overflowed (float16 can, with Qwen3: try --dtype bfloat16 "
+                                    "or float32), or the weights hold NaN (re-download them)")
                 if on_first_logits:
                     on_first_logits(logits)
             printer.add(token_id)  # <|im_end|> prints nothing
@@ -1602,8 +1603,9 @@ def stream(tokens, printer, on_first_logits=None):
     return interrupted, first - start, end - first
 
 
-CHAT_HELP = ('/reset starts over; /exit or Ctrl-D ends; Ctrl-C stops a reply; """ on a line of '
-             'its own starts and ends a message of several lines')
+CHAT_HELP = ('/reset (or /clear) starts over; /exit (/quit, /bye, Ctrl-D) ends; /help shows this; '
+             'Ctrl-C stops a reply; """ on a line of its own starts and ends a message of several '
+             'lines')
 COMMANDS = {"/exit": "exit", "/quit": "exit", "/bye": "exit", "/reset": "reset",
             "/clear": "reset", "/help": "help", "/?": "help"}
 

@@ -155,9 +155,9 @@ def test_reset_and_exit(tiny_model, reference, hf_tokenizer, tmp_path):
     assert out == "".join(text + "\n" for text in texts)
 
 
-CHAT_LINE = ("Chat: {how}, up to {n} tokens per reply. /reset starts over; /exit or Ctrl-D ends; "
-             'Ctrl-C stops a reply; """ on a line of its own starts and ends a message of several '
-             "lines.")
+CHAT_LINE = ("Chat: {how}, up to {n} tokens per reply. /reset (or /clear) starts over; /exit "
+             "(/quit, /bye, Ctrl-D) ends; /help shows this; Ctrl-C stops a reply; \"\"\" on a line of "
+             "its own starts and ends a message of several lines.")
 
 
 def test_a_sampled_chat_draws_each_reply_with_the_next_seed(tiny_model, reference, hf_tokenizer,

@@ -1485,3 +1485,23 @@ def test_mlx_quantized_repo_id(app, tiny_model, converted_4bit):
     text, lines, _, _ = parse_success((rc, out, rest))
     assert lines[0].endswith(", 4-bit weights")
     assert text == Reference(tiny_model, li.pick_dtype("auto"), 4).text(PROMPT, 24)
+
+
+@pytest.mark.parametrize("flags", [[], ["--top-probs", "3"], ["--chat", "--prompt", "Hi"]])
+def test_nan_logits_are_one_line_not_text(tiny_model, tmp_path, flags):
+    """A NaN in the final norm's gains (what float16 overflow looks like on an M1/M2) made every
+    logit NaN: the run printed token 0 ("!!!!!") and --top-probs a table of nan. Now the first
+    token's logits are checked once, and the run ends in one line that says what to try."""
+    folder = tmp_path / "overflowed"
+    folder.mkdir()
+    for path in tiny_model.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    tensors = mx.load(str(folder / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * float("nan")
+    mx.save_safetensors(str(folder / "model.safetensors"), tensors, metadata={"format": "pt"})
+    rc, out, err = run_cli("--model", folder, "--max-tokens", 5, *flags, cwd=tmp_path)
+    lines = err.splitlines()
+    assert rc == 1 and "Traceback" not in err and out.strip() == "", (out, err)
+    assert lines[-1].startswith("llm_inference.py: error: the model computed NaN or infinite "
+                                "logits"), err
+    assert "--dtype bfloat16 or float32" in lines[-1] and "nan" not in "\n".join(lines[:-1])
