@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import unicodedata
 import time
 from pathlib import Path
 
@@ -1505,3 +1506,31 @@ def test_nan_logits_are_one_line_not_text(tiny_model, tmp_path, flags):
     assert lines[-1].startswith("llm_inference.py: error: the model computed NaN or infinite "
                                 "logits"), err
     assert "--dtype bfloat16 or float32" in lines[-1] and "nan" not in "\n".join(lines[:-1])
+
+
+def test_the_top_probs_table_lines_up_wide_and_combining_characters(tiny_model, capsys):
+    """CJK characters take two columns of a terminal and Thai's combining vowel marks none: the
+    table pads each token by the columns it takes, so the id column lines up."""
+    tokenizer = li.load_tokenizer(tiny_model)
+    ids = [107672, 47171, 93874, 145080, 12095]  # '领导人', 'ี่' (marks only), 'การ', '🙂', ' Paris'
+    logits = mx.full((tokenizer.get_vocab_size(),), -100.0)
+    logits[mx.array(ids)] = mx.array([5.0, 4.0, 3.0, 2.0, 1.0])
+    li.print_top_probs(logits, tokenizer, 5, file=sys.stdout)
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [int(row.split()[-2]) for row in rows] == ids
+    # Each row up to its (right-aligned) id, in the columns a terminal gives it (as wcwidth counts
+    # them: East Asian wide characters 2, combining marks 0): the same for all.
+    width = lambda ch: (0 if unicodedata.category(ch) in ("Mn", "Me", "Cf") else
+                        2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1)
+    starts = {sum(map(width, row.rsplit("  ", 1)[0])) for row in rows}
+    assert len(starts) == 1, rows
+
+
+def test_a_seed_without_sampling_warns_like_top_k(tiny_model, capsys):
+    """--seed with greedy decoding changed nothing and said nothing, while --top-k warned."""
+    assert li.main(["--model", str(tiny_model), "--max-tokens", "2", "--seed", "3"]) == 0
+    assert ("warning: --seed only matters when sampling; greedy decoding ignores it (add "
+            "--temperature)") in capsys.readouterr().err
+    assert li.main(["--model", str(tiny_model), "--max-tokens", "2", "--seed", "3",
+                    "--temperature", "1"]) == 0
+    assert "warning" not in capsys.readouterr().err
