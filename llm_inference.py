@@ -16,7 +16,7 @@ goes further, in optional sections that build on Part 1. Part 3 is the program a
       10. sample    -> 12095, the id of " Paris"
       11. generate  feed it back in, repeat until an end-of-sequence token
 
-Shapes are written for one sequence, with Qwen3-0.6B's sizes (attention's carry a batch axis of 1).
+Shapes are written for one sequence, with Qwen3-0.6B's sizes (attention's lead with a batch of 1).
 MLX is lazy: `y = x @ w` only records the operation in a graph; the arithmetic runs when a value
 is needed (`print(y)`, `y.item()`, `mx.eval(y)`). generate() (section 11) builds on that.
 """
@@ -204,7 +204,7 @@ def queries_keys_values(x, layer, config, offset):
     """The first half of attention: x (seq, 1024) at positions offset, offset+1, ... -> q, k, v."""
     c, seq = config, x.shape[0]
     # Project each position to queries, keys and values, split into heads, heads first. The leading
-    # 1 is a batch axis: the attention kernel wants one, and the reshape adds it at no extra cost.
+    # 1 is a batch axis: attention is written for (batch, heads, seq, head_dim), here one sequence.
     q = linear(x, layer["q_proj"]).reshape(1, seq, c.num_attention_heads, c.head_dim).swapaxes(1, 2)
     k = linear(x, layer["k_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim).swapaxes(1, 2)
     v = linear(x, layer["v_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim).swapaxes(1, 2)
@@ -313,7 +313,7 @@ def forward(token_ids, weights, config, cache, last_only=True):
     x = embed(token_ids, weights["embed_tokens"])  # (seq, 1024)
     for layer, layer_cache in zip(weights["layers"], cache):
         x = transformer_block(x, layer, config, layer_cache)
-    if last_only:  # generating needs only the next token: skip (seq-1) x 151936 dot products
+    if last_only:  # generating needs the next token only (training and the tests: every one)
         x = x[-1:]  # (1, 1024)
     x = rms_norm(x, weights["norm"], config.rms_norm_eps)
     logits = linear(x, weights["lm_head"])  # (1 or seq, vocab): a score (logit) per token
@@ -411,7 +411,11 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 # makes the replacements in one place, main(); with --reference-ops it runs Part 1 as written.
 
 def replace(**functions):
-    """From now on, Part 1 calls these functions in place of the ones with the same names."""
+    """From now on, calls by these names (Part 1's functions, or Part 3's) run the functions given.
+    A misspelt name would replace nothing: refused. Restarting Python undoes it all."""
+    unknown = set(functions) - set(globals())
+    if unknown:
+        raise NameError(f"no function {', '.join(sorted(unknown))} to replace")
     globals().update(functions)
 
 
@@ -548,7 +552,7 @@ def quantize(weight, bits, dtype):
 
 def quantized_linear(x, weight):
     """linear() that also takes Quantized weights: x @ dequantized(weight).T, without the
-    dequantized copy."""
+    dequantized copy. (Once replaced, the name linear is this function: calling it would loop.)"""
     if not isinstance(weight, Quantized):
         return x @ weight.T
     return mx.quantized_matmul(x, weight.packed, weight.scales, weight.biases, transpose=True,
@@ -576,7 +580,8 @@ def use_quantization(bits=None, stored=None):
         weight = tensors.pop(name)
         stem = name.removesuffix(".weight")
         if f"{stem}.scales" in tensors:  # stored quantized: the integers are used as they are
-            how = stored.get(stem, stored)  # a layer may have settings of its own
+            how = stored.get(stem)  # a layer may have settings of its own (a dict)
+            how = how if isinstance(how, dict) else stored
             weight = Quantized(weight, tensors.pop(f"{stem}.scales").astype(dtype),
                                tensors.pop(f"{stem}.biases").astype(dtype), how["group_size"],
                                how["bits"])
@@ -792,7 +797,7 @@ def trace(prompt_ids, weights, config, tokenizer):
         print(f"  {name:<26} -> {', '.join(map(shape, outs))}  ({what})")
         return out
 
-    print("block 0, step by step (Part 1's functions):")
+    print("block 0, step by step:")
     layer, eps = weights["layers"][0], c.rms_norm_eps
     x = step("embed", embed(ids, weights["embed_tokens"]), "one table row per token")
     n = step("rms_norm", rms_norm(x, layer["input_layernorm"], eps), "vectors to RMS 1, x gains")
@@ -865,6 +870,7 @@ def use_tensor_parallelism(group):
     """From now on, load_tensor() keeps this process's share of each block's matrices, and
     attention() and swiglu() add up their partial outputs over the group (run them with
     split_config's config)."""
+    # The load_tensor() in place now: Part 1's, or section 16's when quantizing (replaced first).
     load_whole, n, rank = load_tensor, group.size(), group.rank()
 
     def load_share(tensors, name, dtype):
@@ -873,13 +879,14 @@ def use_tensor_parallelism(group):
         if axis is None:
             return weight
         # A contiguous copy of the share: a slice alone would keep the whole matrix alive.
-        parts = [mx.contiguous(mx.split(part, n, axis=axis)[rank])
-                 for part in (weight[:3] if isinstance(weight, Quantized) else [weight])]
+        parts = [mx.contiguous(mx.split(part, n, axis=axis)[rank])  # Quantized: packed, scales,
+                 for part in (weight[:3] if isinstance(weight, Quantized) else [weight])]  # biases
         mx.eval(parts)
         if isinstance(weight, Quantized):
             return Quantized(*parts, weight.group_size, weight.bits)
         return parts[0]
 
+    # summed(f) runs f, then adds up its partial outputs over the group.
     summed = lambda function: lambda *args: mx.distributed.all_sum(function(*args), group=group)
     replace(load_tensor=load_share, attention=summed(attention), swiglu=summed(swiglu))
 
@@ -958,7 +965,8 @@ def check_config(model_dir):
         if value is None:
             raise UserError(f"{path} lacks the required key {name!r}")
         if not (isinstance(value, bool) if kind is bool else is_number(value, kind) and value > 0):
-            expected = {bool: "true or false", int: "a positive integer"}.get(kind, "a positive number")
+            expected = {bool: "true or false", int: "a positive integer"}.get(kind,
+                                                                              "a positive number")
             raise UserError(f"{path}: {name!r} should be {expected}, got {json.dumps(value)}")
     if config.num_attention_heads % config.num_key_value_heads:  # whole groups (section 6)
         raise UserError(f"{path}: 'num_attention_heads' ({config.num_attention_heads}) should be a "
@@ -1032,7 +1040,8 @@ def check_weights(model_dir, config, quantization):
     for name, ((rows, *columns), _) in list(expected.items()):
         stem = name.removesuffix(".weight")
         if quantization and columns and f"{stem}.scales" in tensors:  # stored quantized (sec. 16)
-            how = quantization.get(stem, quantization)
+            how = quantization.get(stem)
+            how = how if isinstance(how, dict) else quantization
             expected[name] = ((rows, columns[0] * how["bits"] // 32), (mx.uint32,))
             for part in ("scales", "biases"):
                 expected[f"{stem}.{part}"] = ((rows, columns[0] // how["group_size"]), floats)
@@ -1110,7 +1119,9 @@ def weight_bytes(config, dtype, bits=None, group_size=GROUP_SIZE, stored=None):
     for name, shape in tensor_shapes(config).items():
         n, how = math.prod(shape), (stored or {}).get(name.removesuffix(".weight"))
         b, g = (how["bits"], how["group_size"]) if isinstance(how, dict) else (bits, group_size)
-        total += n * b // 8 + 2 * n // g * dtype.size if b and quantizable(shape, g) else n * dtype.size
+        b = None if how is False else b  # a layer stored unquantized
+        quantized = b and quantizable(shape, g)
+        total += n * b // 8 + 2 * n // g * dtype.size if quantized else n * dtype.size
     return total
 
 
@@ -1205,7 +1216,8 @@ def load_model(model_dir, dtype, bits=None, group=None):
     check_weights(model_dir, config, stored)  # first: the sizes come from config.json
     n = group.size() if group else 1
     # Quantized, each process's columns must hold whole groups (of the largest size: 128, say).
-    sizes = [how.get("group_size", 0) for how in (stored, *stored.values()) if isinstance(how, dict)]
+    sizes = [how.get("group_size", 0) for how in (stored, *stored.values())
+             if isinstance(how, dict)]
     group_size = GROUP_SIZE if bits else max(sizes)
     if n > 1 and not can_split(config, n, group_size):
         counts = [str(k) for k in range(1, config.num_key_value_heads + 1)
@@ -1213,9 +1225,10 @@ def load_model(model_dir, dtype, bits=None, group=None):
         raise UserError(f"{model_dir} cannot be split over {n} processes (whole heads and "
                         f"quantization groups): use {', '.join(counts)}")
     own_head = config.tie_word_embeddings and stored_head_differs(model_dir)  # loaded too
-    check_memory(weight_bytes(split_config(config, n)._replace(tie_word_embeddings=not own_head),
-                              dtype, bits or stored.get("bits"), stored.get("group_size", GROUP_SIZE),
-                              stored), memory_size(), dtype, gpu_working_set())
+    shares = split_config(config, n)._replace(tie_word_embeddings=not own_head)
+    check_memory(weight_bytes(shares, dtype, bits or stored.get("bits"),
+                              stored.get("group_size", GROUP_SIZE), stored),
+                 memory_size(), dtype, gpu_working_set())
     path = Path(model_dir) / "tokenizer.json"
     try:
         tokenizer = load_tokenizer(model_dir)
@@ -1336,7 +1349,8 @@ def find_model(model_arg, allow_download):
     except Exception as e:  # offline, no such repo, a network error midway, a full disk ...
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{what}, and could not download {repo} ({type(e).__name__}: {reason}); "
-                        f"run again to resume, or fetch it with: {download_command(repo, model_dir)}")
+                        "run again to resume, or fetch it with: "
+                        f"{download_command(repo, model_dir)}")
     return model_dir
 
 
@@ -1393,13 +1407,14 @@ def read_prompt(text):
 
 
 def number(kind, low=None, high=None, low_open=False, rule=None):
-    """An argparse type: a number of `kind` in [low, high] (or (low, high]), passing SETTINGS[rule]."""
+    """An argparse type: a number of `kind` in [low, high] (or (low, high]), that passes
+    SETTINGS[rule] if given."""
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}"
-                                             f", got {text!r}")
+            expected = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         if not math.isfinite(value):  # float("nan") parses, and compares False with every bound
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         too_low = low is not None and (value <= low if low_open else value < low)
@@ -1624,7 +1639,8 @@ def read_line(interactive, prompt):
 
 
 def read_message(interactive):
-    """The next message, None at the end of input: a line, or the lines between two lines of \"\"\"."""
+    """The next message, None at the end of input: a line, or the lines between two lines of
+    triple quotes."""
     line = read_line(interactive, ">>> ")
     if line is None or line.strip() != '"""':
         return line
