@@ -769,8 +769,10 @@ def columns(text):
                else 2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
 
 
-def print_top_probs(logits, tokenizer, n, file=sys.stderr):
-    """A table of the n likeliest next tokens and their probabilities (" Paris" first)."""
+def print_top_probs(logits, tokenizer, n, file=None):
+    """A table of the n likeliest next tokens and their probabilities (" Paris" first), on file
+    (sys.stderr as it is at the call)."""
+    file = file or sys.stderr
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
     print(f"{'rank':>4}  {'token':<16} {'id':>7}  probability", file=file)
     for rank, token_id in enumerate(mx.argsort(-probs)[:n].tolist(), 1):
@@ -913,6 +915,10 @@ WEIGHTS_INDEX = "model.safetensors.index.json"  # stands in for model.safetensor
 
 class UserError(Exception):
     """A mistake a person can fix (bad flag, missing file, ...): one line, no traceback."""
+
+
+class SharedError(UserError):
+    """A UserError every process of a group meets alike (section 20): process 0 alone says it."""
 
 
 def damaged(path, what):
@@ -1222,7 +1228,7 @@ def load_model(model_dir, dtype, bits=None, group=None):
     if n > 1 and not can_split(config, n, group_size):
         counts = [str(k) for k in range(1, config.num_key_value_heads + 1)
                   if can_split(config, k, group_size)]
-        raise UserError(f"{model_dir} cannot be split over {n} processes (whole heads and "
+        raise SharedError(f"{model_dir} cannot be split over {n} processes (whole heads and "
                         f"quantization groups): use {', '.join(counts)}")
     own_head = config.tie_word_embeddings and stored_head_differs(model_dir)  # loaded too
     shares = split_config(config, n)._replace(tie_word_embeddings=not own_head)
@@ -1756,19 +1762,21 @@ def join(group):
     if first:
         signal.signal(signal.SIGINT, lambda *_: sys.exit(print("\nInterrupted.", file=sys.stderr)
                                                          or 130))
-    else:
+    else:  # its own errors go to a copy of stderr; the rest, MLX's messages too, nowhere
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        sys.stdout = sys.stderr = open(os.devnull, "w")
+        sys.__stderr__ = os.fdopen(os.dup(2), "w", buffering=1)
+        for fd in (1, 2):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
     replace(read_prompt=lambda text: share(read_prompt_alone(text) if first else None, group),
             read_message=lambda interactive: share(
                 read_message_alone(interactive) if first else None, group))
 
 
 def main(argv=None):
-    args = parse_args(argv)
     group = mx.distributed.init()  # several processes when mlx.launch started this (section 20)
     if group.size() > 1:
         join(group)
+    args = parse_args(argv)
     multi_turn = args.chat and args.prompt is None
     prompt = None if multi_turn else read_prompt(
         DEFAULT_PROMPT if args.prompt is None else args.prompt)
@@ -1863,16 +1871,17 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except UserError as e:  # any process's: its own (the others' output goes nowhere)
+    except UserError as e:  # each process's own, but once for what every process meets alike
         rank = mx.distributed.init().rank()
-        print(f"llm_inference.py: error{f' (process {rank})' if rank else ''}: {e}",
-              file=sys.__stderr__)
+        if rank == 0 or not isinstance(e, SharedError):
+            print(f"llm_inference.py: error{f' (process {rank})' if rank else ''}: {e}",
+                  file=sys.__stderr__)
         sys.exit(1)
-    except RuntimeError as e:  # expected only when another process of a group stopped
+    except RuntimeError as e:  # in a group of processes, most likely another one stopped
         if mx.distributed.init().size() == 1:
             raise
-        print(f"llm_inference.py: error: another process stopped ({e}); ending",
-              file=sys.stderr)
+        what = "another process stopped" if "peer" in str(e) else "a process failed"
+        print(f"llm_inference.py: error: {what} ({e}); ending", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C while loading: no traceback
         mx.synchronize()  # nothing left queued on the GPU at exit, as after Ctrl-C in stream()
