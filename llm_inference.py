@@ -1231,7 +1231,8 @@ def load_model(model_dir, dtype, bits=None, group=None):
         raise SharedError(f"{model_dir} cannot be split over {n} processes (whole heads and "
                         f"quantization groups): use {', '.join(counts)}")
     own_head = config.tie_word_embeddings and stored_head_differs(model_dir)  # loaded too
-    shares = split_config(config, n)._replace(tie_word_embeddings=not own_head)
+    shares = split_config(config, n)._replace(  # a tied head stored apart is loaded too
+        tie_word_embeddings=config.tie_word_embeddings and not own_head)
     check_memory(weight_bytes(shares, dtype, bits or stored.get("bits"),
                               stored.get("group_size", GROUP_SIZE), stored),
                  memory_size(), dtype, gpu_working_set())

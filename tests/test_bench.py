@@ -70,3 +70,26 @@ def test_bench_runs_ours_as_the_command_line_does(monkeypatch, capsys, quantize)
     out = capsys.readouterr().out
     assert ", 4-bit weights, 2 layers" in out if quantize else "-bit" not in out
     assert "primitives per decode step at 128 tokens of context: ours " in out
+
+
+def test_distributed_prints_one_table_from_process_0(tiny_folder, tmp_path):
+    """bench.py --distributed in two processes, started as mlx.launch starts them: process 0
+    prints the table (2 processes, then process 0 alone; ours and mlx-lm's model.shard() each),
+    with the cost of one sum; process 1 prints nothing."""
+    import re
+
+    from tests.test_distributed import start, wait_all
+
+    command = [BENCH, "--distributed", "--model", tiny_folder, "--prompt-lengths", 4,
+               "--decode-tokens", 4]
+    processes = start([command] * 2, tmp_path)
+    assert wait_all(processes, 240) == [0, 0], "\n".join(p.report() for p in processes)
+    first, second = processes
+    assert second.out == second.err == b"" and first.err == b"", first.report()
+    out = first.out.decode()
+    rows = re.findall(r"(?m)^ +([12]) +(ours|mlx-lm) +([\d.]+) +([\d.]+)$", out)
+    assert [row[:2] for row in rows] == [("2", "ours"), ("2", "mlx-lm"), ("1", "ours"),
+                                         ("1", "mlx-lm")], out
+    assert all(float(ttft) > 0 and float(decode) > 0 for _, _, ttft, decode in rows), out
+    assert out.count("greedy tokens identical: 4/4") == 2, out  # the same tokens, split or not
+    assert re.search(r"one all_sum of 64 float32 numbers over 2 processes: \d+ µs", out), out

@@ -147,3 +147,18 @@ def test_the_primitives_total_counts_primitives_not_kinds(capsys):
     bench.print_primitives(counts)
     first = capsys.readouterr().out.splitlines()[0]
     assert "ours 11," in first and "mlx-lm 14 " in first
+
+
+def test_the_memory_check_counts_an_untied_head(tmp_path, monkeypatch):
+    """Bug: load_model's memory check counted an untied model as tied, leaving out its LM head
+    (1.24 GB for Qwen3-8B in bfloat16)."""
+    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG | {"tie_word_embeddings": False})
+    config = li.load_config(folder)
+    needed = li.weight_bytes(config, mx.float32)
+    assert needed > li.weight_bytes(config._replace(tie_word_embeddings=True), mx.float32)
+    monkeypatch.setattr(li, "memory_size", lambda: needed - 1)
+    monkeypatch.setattr(li, "gpu_working_set", lambda: None)
+    with pytest.raises(li.UserError, match="the weights need"):
+        li.load_model(folder, mx.float32)
+    monkeypatch.setattr(li, "memory_size", lambda: needed)
+    li.load_model(folder, mx.float32)
