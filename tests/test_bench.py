@@ -10,7 +10,6 @@ import pytest
 
 import bench
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG, write_checkpoint
 from tests.test_cli import SCRIPT, cli_env
 
 BENCH = SCRIPT.parent / "bench.py"
@@ -34,19 +33,14 @@ def test_bad_value_is_one_line(tmp_path, flags, message):
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(f"bench.py: error: {message}"), proc.stderr
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("bench") / "tiny", TINY_CONFIG)
-
-
 @pytest.mark.parametrize("dtype, bits", [(mx.float32, None), (mx.bfloat16, None), (mx.float32, 8),
                                          (mx.float32, 4)], ids=["float32", "bfloat16", "8-bit", "4-bit"])
-def test_a_decode_step_has_fewer_primitives_than_mlx_lms(tiny_folder, dtype, bits, monkeypatch):
+def test_a_decode_step_has_fewer_primitives_than_mlx_lms(tiny_model, dtype, bits, monkeypatch):
     """bench.py --primitives: the same matrix products in both runtimes, and fewer operations in all
     in ours (compiled, as the command line runs it)."""
     monkeypatch.setattr(li, "silu_gate", li.silu_gate)  # put back afterwards
     li.compile_model()
-    config, weights, model = bench.load_pair(tiny_folder, dtype, bits)
+    config, weights, model = bench.load_pair(tiny_model, dtype, bits)
     counts = bench.primitives_per_step(weights, config, model)
     ours, theirs = counts["ours"], counts["mlx-lm"]
     product = "QuantizedMatmul" if bits else "Matmul"
