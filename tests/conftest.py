@@ -22,7 +22,121 @@ import os
 
 os.environ["MLX_ENABLE_TF32"] = "0"
 
-import pytest  # noqa: E402 (after the environment is set)
+# Shared fixtures. Imported after MLX_ENABLE_TF32 is set (tests.checkpoint imports mlx.core).
+import hashlib  # noqa: E402
+import json  # noqa: E402
+from collections import OrderedDict  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.checkpoint import TINY_CONFIG, write_checkpoint  # noqa: E402
+
+
+class Checkpoints:
+    """Random-weight checkpoints, and mlx-lm's conversions of them, each made once per test process
+    and shared by every module that asks for the same one (under pytest-xdist, once per worker).
+
+    The folders are shared: tests read them or copy them (test_cli.py's `variant`, shutil.copytree)
+    and never write into them."""
+
+    def __init__(self, root):
+        self.root = root
+        self.folders = {}
+
+    def _new_folder(self, name):
+        return self.root / str(len(self.folders)) / name
+
+    def __call__(self, overrides, seed=0, dtype="bfloat16", shards=1, tied_head=None,
+                 name="model"):
+        """What write_checkpoint(folder, overrides, seed, dtype, shards, tied_head) writes, in a
+        folder called `name`."""
+        key = ("checkpoint", json.dumps(overrides, sort_keys=True), seed, dtype, shards, tied_head,
+               name)
+        if key not in self.folders:
+            self.folders[key] = write_checkpoint(self._new_folder(name), overrides, seed=seed,
+                                                 dtype=dtype, shards=shards, tied_head=tied_head)
+        return self.folders[key]
+
+    def converted(self, folder, name="mlx", **arguments):
+        """The folder `name` that mlx_lm.convert(hf_path=folder, mlx_path=it, **arguments) fills."""
+        key = ("converted", str(folder), json.dumps(arguments, sort_keys=True), name)
+        if key not in self.folders:
+            from mlx_lm import convert
+
+            out = self._new_folder(name)
+            out.parent.mkdir(parents=True)
+            convert(hf_path=str(folder), mlx_path=str(out), **arguments)
+            self.folders[key] = out
+        return self.folders[key]
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """checkpoints(overrides, seed=...) and checkpoints.converted(folder, ...): see Checkpoints."""
+    return Checkpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(checkpoints):
+    """The tiny random Qwen3 (TINY_CONFIG, seed 0) that most modules run, in a folder tiny-qwen3."""
+    return checkpoints(TINY_CONFIG, name="tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model):
+    """test_cli.py's Reference: the tiny model loaded in this process, to check the CLI against."""
+    import llm_inference as li
+    from tests.test_cli import Reference
+
+    # The CLI's default --dtype auto: float32 on the CPU, bfloat16 on a GPU; the same rule here.
+    return Reference(tiny_model, li.pick_dtype("auto"))
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(tiny_model):
+    """transformers' tokenizer of the tiny model: it renders Qwen3's official chat template."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mlx_lm_loads_a_tokenizer_once():
+    """mlx_lm.load and mlx_lm.convert load the checkpoint's tokenizer with transformers every time:
+    over 3 s of CPU for Qwen's vocabulary. While this fixture is active, mlx_lm.utils.load_tokenizer
+    returns the tokenizer it loaded before (one of the last 4) when every file of the folder that it
+    may read (all but the *.safetensors weights) is byte for byte the same, and so are its
+    arguments; otherwise it loads as usual. The tests only encode with these tokenizers, or let
+    mlx_lm.convert save them, and never change them."""
+    import mlx_lm.utils
+
+    load_tokenizer = mlx_lm.utils.load_tokenizer
+    loaded = OrderedDict()  # the last 4, the most recently used last: each takes ~150 MB
+
+    def contents(folder):
+        files = sorted(folder.iterdir()) if folder.is_dir() else []
+        if not files or not all(path.is_file() for path in files):
+            return None
+        return tuple((path.name, hashlib.sha256(path.read_bytes()).hexdigest()) for path in files
+                     if not path.name.endswith(".safetensors"))
+
+    def load_once(model_path, *args, **kwargs):
+        files = contents(Path(model_path))
+        if files is None:
+            return load_tokenizer(model_path, *args, **kwargs)
+        key = (files, repr(args), repr(sorted(kwargs.items())))
+        if key not in loaded:
+            loaded[key] = load_tokenizer(model_path, *args, **kwargs)
+            if len(loaded) > 4:
+                loaded.popitem(last=False)
+        loaded.move_to_end(key)
+        return loaded[key]
+
+    mlx_lm.utils.load_tokenizer = load_once
+    yield
+    mlx_lm.utils.load_tokenizer = load_tokenizer
+
 
 import llm_inference as li  # noqa: E402
 

@@ -11,7 +11,6 @@ import pytest
 
 import bench
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG, write_checkpoint
 from tests.test_cli import SCRIPT, cli_env
 
 BENCH = SCRIPT.parent / "bench.py"
@@ -35,9 +34,10 @@ def test_bad_value_is_one_line(tmp_path, flags, message):
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(f"bench.py: error: {message}"), proc.stderr
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("bench") / "tiny", TINY_CONFIG)
+@pytest.fixture
+def tiny_folder(tiny_model):
+    """The tiny checkpoint tests/conftest.py builds once per process (read, never written)."""
+    return tiny_model
 
 
 @pytest.mark.parametrize("dtype, bits", [(mx.float32, None), (mx.bfloat16, None), (mx.float32, 8),

@@ -14,7 +14,6 @@ import numpy as np
 import mlx.core as mx
 import pytest
 import torch
-from transformers import AutoTokenizer
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
     TemperatureLogitsWarper,
@@ -23,21 +22,15 @@ from transformers.generation.logits_process import (
 )
 
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG, write_checkpoint
 
 THINK, END_THINK, IM_END = 151667, 151668, 151645
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = write_checkpoint(tmp_path_factory.mktemp("chat") / "tiny", TINY_CONFIG)
+def model(tiny_model):  # tests/conftest.py: TINY_CONFIG, seed 0
+    folder = tiny_model
     config = li.load_config(folder)
     return folder, config, li.load_weights(folder, config, mx.float32), li.load_tokenizer(folder)
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(model):
-    return AutoTokenizer.from_pretrained(model[0])
 
 
 def make_chat(model, system=None, think=True):

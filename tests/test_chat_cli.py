@@ -21,7 +21,6 @@ import time
 
 import mlx.core as mx
 import pytest
-from transformers import AutoTokenizer
 
 import llm_inference as li
 from tests.test_cli import (  # noqa: F401 (fixtures)
@@ -29,21 +28,14 @@ from tests.test_cli import (  # noqa: F401 (fixtures)
     Reference,
     assert_one_line_error,
     cli_env,
-    reference,
     run_cli,
     stderr_lines,
-    tiny_model,
     variant,
 )
 
 TURN = re.compile(r"^(Interrupted\. )?Turn (\d+): (\d+) tokens reused from the cache, (\d+) prefilled "
                   r"at [\d.]+ tok/s \| Reply: (\d+) tokens?(, \d+ thinking)?(?:, [\d.]+ tok/s)?$")
 GREEDY_WARNING = "warning: Qwen advises against greedy decoding"
-
-
-@pytest.fixture(scope="module")
-def hf_tokenizer(tiny_model):
-    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 def official_ids(hf_tokenizer, reference, system, history, message, think):

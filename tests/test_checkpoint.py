@@ -28,8 +28,8 @@ PROMPT_IDS = [785, 6722, 315, 9625, 374]
 
 
 @pytest.fixture(scope="session")
-def tiny(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("tiny"), TINY_CONFIG)
+def tiny(tiny_model):  # tests/conftest.py: write_checkpoint(folder, TINY_CONFIG), built once
+    return tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -113,13 +113,9 @@ def test_tf32_is_off_in_the_tests_and_their_subprocesses(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# The tiny checkpoint and the in-process reference
+# The tiny checkpoint and the in-process reference (the fixtures tiny_model and reference, which
+# other modules share, are in tests/conftest.py)
 # ------------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("models") / "tiny-qwen3", TINY_CONFIG)
-
 
 class Reference:
     """The same model loaded in this process with the library functions, to compare the CLI against."""
@@ -141,12 +137,6 @@ class Reference:
 
     def text(self, *args, **kwargs):
         return self.tokenizer.decode(self.generate(*args, **kwargs), skip_special_tokens=True)
-
-
-@pytest.fixture(scope="session")
-def reference(tiny_model):
-    # The CLI's default --dtype auto: float32 on the CPU, bfloat16 on a GPU; the same rule in this process.
-    return Reference(tiny_model, li.pick_dtype("auto"))
 
 
 @pytest.fixture(scope="session")
@@ -803,9 +793,9 @@ def test_tensor_wrong_shape(tiny_model, variant, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def sharded_model(tmp_path_factory):
+def sharded_model(checkpoints):
     """The tiny model's very weights (same seed), split into three shards with an index."""
-    return write_checkpoint(tmp_path_factory.mktemp("models") / "tiny-sharded", TINY_CONFIG, shards=3)
+    return checkpoints(TINY_CONFIG, shards=3, name="tiny-sharded")
 
 
 def test_sharded_checkpoint_gives_the_same_text(sharded_model, greedy_24, tmp_path):
@@ -890,13 +880,10 @@ def test_shard_truncated(sharded_model, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def converted_4bit(tiny_model, tmp_path_factory):
+def converted_4bit(tiny_model, checkpoints):
     """The tiny model converted by mlx-lm to 4 bits, its weights in MLX's quantized format."""
-    from mlx_lm import convert
-
-    folder = tmp_path_factory.mktemp("models") / "tiny-4bit"
-    convert(hf_path=str(tiny_model), mlx_path=str(folder), quantize=True, q_bits=4, q_group_size=64)
-    return folder
+    return checkpoints.converted(tiny_model, name="tiny-4bit", quantize=True, q_bits=4,
+                                 q_group_size=64)
 
 
 def test_mlx_quantized_folder_gives_the_quantize_text(tiny_model, converted_4bit, tmp_path):

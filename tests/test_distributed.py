@@ -41,7 +41,7 @@ import pytest
 
 import llm_inference as li
 from tests.checkpoint import TINY_CONFIG, write_checkpoint
-from tests.test_cli import SCRIPT, cli_env, tiny_model  # noqa: F401 (a fixture)
+from tests.test_cli import SCRIPT, cli_env
 
 PROMPT = "The capital of France is"
 # Quantized, each process's columns of o_proj and down_proj must hold whole groups of 64: TINY's

@@ -27,7 +27,7 @@ import torch
 import transformers
 
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG, write_checkpoint
+from tests.checkpoint import TINY_CONFIG
 from tests.kernels import kernels
 
 TOL = 1e-4  # max abs logit difference; see the module docstring
@@ -40,8 +40,9 @@ PROMPTS = {
 }
 
 CHECKPOINTS = {
-    # TINY_CONFIG: 2 layers, 4 query heads sharing 2 KV heads, head_dim 16, tied embeddings.
-    "tied": (TINY_CONFIG, 0),
+    # TINY_CONFIG: 2 layers, 4 query heads sharing 2 KV heads, head_dim 16, tied embeddings. Named
+    # so that it is the very folder of tests/conftest.py's tiny_model, which other modules use.
+    "tied": (TINY_CONFIG, 0, {"name": "tiny-qwen3"}),
     # Separate lm_head.weight: catches a head that silently falls back to the embedding table. Split into
     # three shards with an index, as Qwen3-1.7B and larger ship.
     "untied_3_shards": ({**TINY_CONFIG, "tie_word_embeddings": False}, 1, {"shards": 3}),
@@ -70,13 +71,13 @@ class Case:
 
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS), ids=list(CHECKPOINTS))
-def case(request, tmp_path_factory):
-    """Build one checkpoint, load it into both implementations, run HF once and keep its results."""
+def case(request, checkpoints):
+    """Build one checkpoint, load it into both implementations, run HF once and keep its results.
+    The checkpoint is built once per session (tests/conftest.py), shared with other modules."""
     torch.set_grad_enabled(False)
     torch.manual_seed(0)  # nothing in HF's eager float32 path is random; pinned anyway
     overrides, seed, *options = CHECKPOINTS[request.param]
-    folder = write_checkpoint(tmp_path_factory.mktemp(request.param), overrides, seed=seed,
-                              **(options[0] if options else {}))
+    folder = checkpoints(overrides, seed=seed, **(options[0] if options else {}))
 
     # transformers 5 takes `dtype` (`torch_dtype` is its deprecated alias). The file holds bfloat16, which
     # both sides widen exactly to float32, so both start from bit-identical weights.

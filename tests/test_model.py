@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.utils import load as mlx_lm_load
+from mlx_lm.utils import load_model as mlx_lm_load_model
 
 import llm_inference as li
 from tests.checkpoint import TINY_CONFIG, write_checkpoint
@@ -24,9 +24,9 @@ CONFIGS = {  # name: (config overrides, number of weight files: 1 = model.safete
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def checkpoint(request, tmp_path_factory):
+def checkpoint(request, checkpoints):  # built once per session (tests/conftest.py)
     overrides, shards = CONFIGS[request.param]
-    folder = write_checkpoint(tmp_path_factory.mktemp(request.param), overrides, seed=1, shards=shards)
+    folder = checkpoints(overrides, seed=1, shards=shards)
     config = li.load_config(folder)
     return folder, config, li.load_weights(folder, config, mx.float32), li.load_tokenizer(folder)
 
@@ -60,7 +60,8 @@ def test_weights_are_held_per_layer_under_short_names(checkpoint):
 
 @pytest.fixture(scope="module")
 def mlx_lm_model(checkpoint):
-    model, _ = mlx_lm_load(str(checkpoint[0]))
+    # mlx_lm.load without the tokenizer it would also load (seconds), which these tests do not use.
+    model, _ = mlx_lm_load_model(checkpoint[0])
     model.set_dtype(mx.float32)
     return model
 
@@ -101,7 +102,7 @@ def test_greedy_continuation_matches_mlx_lm(checkpoint, mlx_lm_model, fused):
 def test_bfloat16_logits_close_to_mlx_lm(checkpoint, fused):
     folder, config, _, tokenizer = checkpoint
     weights = li.load_weights(folder, config, mx.bfloat16)
-    model, _ = mlx_lm_load(str(folder))  # bfloat16, as stored
+    model, _ = mlx_lm_load_model(folder)  # bfloat16, as stored
     ids = mx.array(tokenizer.encode(PROMPT).ids)
     theirs = model(ids[None])[0, -1].astype(mx.float32)
     with kernels(fused):
@@ -292,8 +293,8 @@ def test_memory_check_on_a_mac_compares_with_the_gpus_working_set():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("tiny"), TINY_CONFIG)
+def tiny(tiny_model):  # tests/conftest.py: write_checkpoint(folder, TINY_CONFIG), built once
+    return tiny_model
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import llm_inference as li
-from tests.test_cli import PROMPT, SCRIPT, cli_env, parse_success, run_cli, tiny_model  # noqa: F401
+from tests.test_cli import PROMPT, SCRIPT, cli_env, parse_success, run_cli
 
 CPU_WHEEL = any(importlib.metadata.distributions(name="mlx-cpu"))  # MLX's Linux CPU-only build
 INSTALLED = CPU_WHEEL and ctypes.util.find_library("openblas") is not None

@@ -5,12 +5,11 @@ import json
 
 import mlx.core as mx
 import pytest
-from mlx_lm import convert
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load as mlx_lm_load
 
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG, write_checkpoint
+from tests.checkpoint import TINY_CONFIG
 
 CONFIGS = {"tied": TINY_CONFIG, "untied": TINY_CONFIG | {"tie_word_embeddings": False}}
 MATRICES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -18,22 +17,19 @@ PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def folder(request, tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp(request.param) / "model", CONFIGS[request.param], seed=1)
+def folder(request, checkpoints):  # built once per session (tests/conftest.py)
+    return checkpoints(CONFIGS[request.param], seed=1)
 
 
 @pytest.fixture(scope="module", params=[4, 8])
-def converted(request, folder):
+def converted(request, folder, checkpoints):
     """(bits, the folder mlx_lm.convert writes from `folder`): 4 or 8 bits, or the "mixed_3_6" recipe
-    (3 bits, 6 for some layers: settings per layer in config.json)."""
+    (3 bits, 6 for some layers: settings per layer in config.json). Converted once per session."""
     recipe = request.param
-    out = folder.parent / f"mlx-{recipe}"
-    if not out.exists():
-        if recipe == "mixed_3_6":
-            convert(hf_path=str(folder), mlx_path=str(out), quantize=True, quant_predicate=recipe,
-                    q_group_size=64)
-        else:
-            convert(hf_path=str(folder), mlx_path=str(out), quantize=True, q_bits=recipe, q_group_size=64)
+    if recipe == "mixed_3_6":
+        out = checkpoints.converted(folder, quantize=True, quant_predicate=recipe, q_group_size=64)
+    else:
+        out = checkpoints.converted(folder, quantize=True, q_bits=recipe, q_group_size=64)
     return recipe, out
 
 
@@ -53,6 +49,22 @@ def load_quantized(folder, config, dtype, bits=None):
 def checkpoint_names(config):
     """{short name: name after "model.layers.{i}."}: "q_proj": "self_attn.q_proj.weight"."""
     return {name.split(".")[-2]: name for name in li.layer_shapes(config)}
+
+
+@pytest.fixture(scope="module")
+def mlx_lm_loaded():
+    """load(folder): mlx_lm.load(folder), that is (model, tokenizer), loaded again only when the
+    folder changes (pytest runs the tests of one converted folder in a row). The tests all run the
+    model in float32 (set_dtype, the same each time) and only read it and its tokenizer."""
+    last = {}
+
+    def load(folder):
+        if folder not in last:
+            last.clear()  # one at a time: each holds a tokenizer of ~150 MB
+            last[folder] = mlx_lm_load(str(folder))
+        return last[folder]
+
+    return load
 
 
 def dequantized(q):
@@ -160,14 +172,15 @@ def test_converted_folder_loads_as_quantized_at_load(folder, converted, dtype):
 @pytest.mark.parametrize("converted, source", [(4, "at load"), (8, "at load"), (4, "converted"),
                                                (8, "converted"), ("mixed_3_6", "converted")],
                          indirect=["converted"])
-def test_quantized_model_matches_mlx_lm_on_the_converted_folder(folder, converted, source):
+def test_quantized_model_matches_mlx_lm_on_the_converted_folder(folder, converted, source,
+                                                                 mlx_lm_loaded):
     bits, out = converted
     config = li.load_config(folder)
     if source == "at load":  # --quantize on the original checkpoint
         weights = load_quantized(folder, config, mx.float32, bits)
     else:  # the converted folder, read as it is
         weights = load_quantized(out, config, mx.float32)
-    model, tokenizer = mlx_lm_load(str(out))
+    model, tokenizer = mlx_lm_loaded(out)
     model.set_dtype(mx.float32)  # scales, biases and norms; the packed integers stay uint32
     ids = tokenizer.encode(PROMPT)
     theirs = model(mx.array(ids)[None])[0]  # (seq, vocab)
@@ -208,13 +221,13 @@ STORED = {  # name: (config, mlx_lm.convert arguments)
 
 
 @pytest.fixture(scope="module", params=list(STORED))
-def stored(request, tmp_path_factory):
-    """(the checkpoint, the folder mlx_lm.convert writes from it, mlx-lm's settings per matrix)."""
+def stored(request, checkpoints, mlx_lm_loaded):
+    """(the checkpoint, the folder mlx_lm.convert writes from it, mlx-lm's settings per matrix).
+    Built and converted once per session (tests/conftest.py)."""
     config, arguments = STORED[request.param]
-    folder = write_checkpoint(tmp_path_factory.mktemp(request.param) / "model", config, seed=1)
-    out = folder.parent / "mlx"
-    convert(hf_path=str(folder), mlx_path=str(out), quantize=True, **arguments)
-    model, _ = mlx_lm_load(str(out))
+    folder = checkpoints(config, seed=1)
+    out = checkpoints.converted(folder, quantize=True, **arguments)
+    model, _ = mlx_lm_loaded(out)
     settings = {name: (module.group_size, module.bits) for name, module in model.named_modules()
                 if hasattr(module, "group_size")}  # mlx-lm's QuantizedLinear and QuantizedEmbedding
     return folder, out, settings
@@ -230,14 +243,14 @@ def named_matrices(weights, config):
     return named
 
 
-def test_stored_group_sizes_and_mixed_precision_match_mlx_lm(stored):
+def test_stored_group_sizes_and_mixed_precision_match_mlx_lm(stored, mlx_lm_loaded):
     folder, out, settings = stored
     config = li.load_config(out)
     weights = load_quantized(out, config, mx.float32)
     ours = {name: (w.group_size, w.bits) for name, w in named_matrices(weights, config).items()
             if isinstance(w, li.Quantized)}
     assert ours == settings  # the same matrices quantized, each with mlx-lm's group size and bits
-    model, tokenizer = mlx_lm_load(str(out))
+    model, tokenizer = mlx_lm_loaded(out)
     model.set_dtype(mx.float32)
     ids = tokenizer.encode(PROMPT)
     theirs = model(mx.array(ids)[None])[0]
