@@ -431,25 +431,16 @@ def distributed_model_dir(args, group, tmp):
 
 
 def load_split(model_dir, dtype, bits, group, replaced):
-    """This process's share of the model, as llm_inference.load_model loads it (less its checks of
-    the files and the tokenizer), with its replacements (`replaced`: the module as main() left
-    it), and mlx-lm's model split the same way (model.shard()). group None: the whole model."""
+    """This process's share of the model, loaded by llm_inference.load_model (its checks and its
+    replacements; `replaced`: the module as main() left it, put back first), and mlx-lm's model
+    split the same way (model.shard()). group None: the whole model."""
     from mlx_lm.utils import load_model, quantize_model
 
     for name, value in replaced.items():  # undo the last load's replacements
         if vars(li).get(name) is not value:
             setattr(li, name, value)
-    config, stored = li.check_config(model_dir)  # stored: config.json's "quantization", or {}
     n = group.size() if group is not None else 1
-    sizes = [how.get("group_size", 0) for how in (stored, *stored.values())
-             if isinstance(how, dict)]  # quantized: whole groups in each share, as load_model
-    if not li.can_split(config, n, li.GROUP_SIZE if bits else max(sizes)):
-        raise li.UserError(f"{model_dir} cannot be split over {n} processes")
-    if bits or stored:  # section 16
-        li.use_quantization(bits, stored)
-    if n > 1:  # section 20
-        li.use_tensor_parallelism(group)
-    weights = li.load_weights(model_dir, config, dtype)
+    split, weights, _, _ = li.load_model(model_dir, dtype, bits, group if n > 1 else None)
     model, raw_config = load_model(Path(model_dir), lazy=True)
     if bits:
         model, _ = quantize_model(model, raw_config, li.GROUP_SIZE, bits)
@@ -457,7 +448,7 @@ def load_split(model_dir, dtype, bits, group, replaced):
     if n > 1:
         model.shard(group)
     mx.eval(model.parameters())
-    return li.split_config(config, n), weights, model
+    return split, weights, model
 
 
 def all_sum_latency(group, size, dtype, reps=200):
