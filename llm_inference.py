@@ -926,7 +926,7 @@ def damaged(path, what):
 
 
 def read_json(path, fix="re-download it"):
-    """A JSON object from a file a person may have damaged or edited; each failure is one line."""
+    """A JSON object from a file a person may have damaged or edited."""
     try:
         value = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
@@ -939,8 +939,7 @@ def read_json(path, fix="re-download it"):
 
 
 def is_number(value, kind=float):
-    """Whether a value from JSON is a number of `kind` (int; float takes ints too). JSON's true is
-    Python's True, an int: no number here. 2.0 is no int, and NaN or Infinity no usable value."""
+    """Whether a JSON value is a finite number of `kind` (float takes ints; true is no number)."""
     if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
         return False
     return isinstance(value, int) or math.isfinite(value)  # isfinite fails on ints above 1e308
@@ -966,14 +965,13 @@ def check_config(model_dir):
         if asked:
             raise UserError(f"{path} asks for {feature}, which this script does not implement")
     config = load_config(model_dir)
-    for name, kind in Config.__annotations__.items():  # int, float or bool
+    kinds = {bool: "true or false", int: "a positive integer", float: "a positive number"}
+    for name, kind in Config.__annotations__.items():
         value = getattr(config, name)
         if value is None:
             raise UserError(f"{path} lacks the required key {name!r}")
         if not (isinstance(value, bool) if kind is bool else is_number(value, kind) and value > 0):
-            expected = {bool: "true or false", int: "a positive integer"}.get(kind,
-                                                                              "a positive number")
-            raise UserError(f"{path}: {name!r} should be {expected}, got {json.dumps(value)}")
+            raise UserError(f"{path}: {name!r} should be {kinds[kind]}, got {json.dumps(value)}")
     if config.num_attention_heads % config.num_key_value_heads:  # whole groups (section 6)
         raise UserError(f"{path}: 'num_attention_heads' ({config.num_attention_heads}) should be a "
                         f"multiple of 'num_key_value_heads' ({config.num_key_value_heads})")
