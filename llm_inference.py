@@ -775,7 +775,7 @@ def print_top_probs(logits, tokenizer, n, file=None):
     file = file or sys.stderr
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
     print(f"{'rank':>4}  {'token':<16} {'id':>7}  probability", file=file)
-    for rank, token_id in enumerate(mx.argsort(-probs)[:n].tolist(), 1):
+    for rank, token_id in enumerate(mx.argsort(-probs)[:min(n, probs.size)].tolist(), 1):
         token = shown(detokenize(tokenizer, [token_id]))
         print(f"{rank:>4}  {token}{' ' * (16 - columns(token))} {token_id:>7}  "
               f"{probs[token_id].item():.4f}", file=file)
@@ -931,7 +931,7 @@ def read_json(path, fix="re-download it"):
         value = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror or e}")
-    except ValueError as e:  # not UTF-8, or not JSON
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested too deep
         raise UserError(f"{path} is not valid JSON ({e}); {fix}")
     if not isinstance(value, dict):
         raise UserError(f"{path} is not a JSON object; {fix}")
@@ -942,7 +942,7 @@ def is_number(value, kind=float):
     """Whether a JSON value is a finite number of `kind` (float takes ints; true is no number)."""
     if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
         return False
-    return isinstance(value, int) or math.isfinite(value)  # isfinite fails on ints above 1e308
+    return kind is int or abs(value) < 1e308 and math.isfinite(value)  # 10**400: too large
 
 
 # --- Checking the model folder: everything Part 1's loaders assume, each failure one line ---------
@@ -952,6 +952,8 @@ def check_config(model_dir):
     path = Path(model_dir) / "config.json"
     raw = read_json(path)
     found, rope = raw.get("model_type"), raw.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"{path}: 'rope_parameters' should be an object, got {json.dumps(rope)}")
     if found == "qwen3_moe":
         raise UserError(f"{path} describes a mixture-of-experts model (model_type 'qwen3_moe'), "
                         "which this script does not implement; use a dense Qwen3 model")
@@ -972,6 +974,10 @@ def check_config(model_dir):
             raise UserError(f"{path} lacks the required key {name!r}")
         if not (isinstance(value, bool) if kind is bool else is_number(value, kind) and value > 0):
             raise UserError(f"{path}: {name!r} should be {kinds[kind]}, got {json.dumps(value)}")
+    config = config._replace(rope_theta=float(config.rope_theta),  # 10**20 is an int in JSON
+                             rms_norm_eps=float(config.rms_norm_eps))
+    if config.head_dim % 2:  # RoPE turns pairs of channels (section 5)
+        raise UserError(f"{path}: 'head_dim' should be even, got {config.head_dim}")
     if config.num_attention_heads % config.num_key_value_heads:  # whole groups (section 6)
         raise UserError(f"{path}: 'num_attention_heads' ({config.num_attention_heads}) should be a "
                         f"multiple of 'num_key_value_heads' ({config.num_key_value_heads})")
@@ -987,10 +993,11 @@ def check_config(model_dir):
     layers = {name: how for name, how in quantization.items() if isinstance(how, dict)}
     for layer, how in ({"": quantization} | layers if quantization else {}).items():
         mode, bits, group = how.get("mode", "affine"), how.get("bits"), how.get("group_size")
-        if mode != "affine" or bits not in (2, 3, 4, 5, 6, 8) or group not in (32, 64, 128):
-            raise UserError(f"{path} asks for {mode} quantization at {bits} bits in groups of "
-                            f"{group}{f' for {layer}' if layer else ''}; this script reads affine "
-                            "quantization at 2-6 or 8 bits in groups of 32, 64 or 128")
+        if (mode != "affine" or not is_number(bits, int) or bits not in (2, 3, 4, 5, 6, 8)
+                or not is_number(group, int) or group not in (32, 64, 128)):
+            raise UserError(f"{path} asks for {mode} quantization at {bits!r} bits in groups of "
+                            f"{group!r}{f' for {layer}' if layer else ''}; this script reads "
+                            "affine quantization at 2-6 or 8 bits in groups of 32, 64 or 128")
     return config, quantization
 
 
@@ -1012,10 +1019,12 @@ def checked_weight_files(model_dir):
         files = weight_files(model_dir)
     except OSError as e:
         raise UserError(f"cannot read {model_dir / WEIGHTS_INDEX}: {e.strerror or e}")
-    except (ValueError, TypeError, KeyError, AttributeError):  # not UTF-8 or JSON, or no map
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):  # not JSON, no map
         files = []
-    # Plain names of files beside the index: a path such as "../x" would read outside the folder.
-    if not files or any(path.parent != model_dir for path in files):
+    # Plain names of safetensors files beside the index: "../x" would read outside the folder,
+    # and mx.load reads x.npz too.
+    if not files or any(path.parent != model_dir or path.suffix != ".safetensors"
+                        for path in files):
         raise damaged(model_dir / WEIGHTS_INDEX, "is not a valid index of shards (a JSON object "
                       "whose 'weight_map' names a file for each tensor)")
     return files
@@ -1026,7 +1035,10 @@ def check_weights(model_dir, config, quantization):
     reads, and none that config.json does not describe. mx.load reads only the files' headers
     (it is lazy), and refuses a file that ends before its last tensor."""
     files, tensors = checked_weight_files(model_dir), {}
-    missing = [path.name for path in files if not path.exists()]
+    try:
+        missing = [path.name for path in files if not path.exists()]
+    except OSError as e:  # a name too long, say
+        raise damaged(model_dir / WEIGHTS_INDEX, f"names a file that cannot be read ({e})")
     if missing:
         raise damaged(model_dir, f"lacks {missing[0]}, one of the {len(files)} shards named in "
                       f"{WEIGHTS_INDEX} ({len(missing)} missing)")
@@ -1037,6 +1049,11 @@ def check_weights(model_dir, config, quantization):
             tensors |= {name: (path, tensor) for name, tensor in mx.load(str(path)).items()}
         except (RuntimeError, ValueError) as e:
             raise damaged(path, f"is not a readable safetensors file ({e})")
+    where = files[0] if len(files) == 1 else f"the sharded checkpoint {model_dir}"
+    first = next(iter(layer_shapes(config)))
+    for i in range(config.num_hidden_layers):  # before listing 10**9 layers' tensors, say
+        if f"model.layers.{i}.{first}" not in tensors:
+            raise UserError(f"{where} lacks the tensor 'model.layers.{i}.{first}'")
     floats = (mx.bfloat16, mx.float16, mx.float32)
     expected = {name: (shape, floats) for name, shape in tensor_shapes(config).items()}
     if "lm_head.weight" in tensors:  # a tied checkpoint's extra head may be used (load_model)
@@ -1049,7 +1066,6 @@ def check_weights(model_dir, config, quantization):
             expected[name] = ((rows, columns[0] * how["bits"] // 32), (mx.uint32,))
             for part in ("scales", "biases"):
                 expected[f"{stem}.{part}"] = ((rows, columns[0] // how["group_size"]), floats)
-    where = files[0] if len(files) == 1 else f"the sharded checkpoint {model_dir}"
     for name, (shape, dtypes) in expected.items():
         if name not in tensors:
             raise UserError(f"{where} lacks the tensor {name!r}")
@@ -1107,7 +1123,8 @@ def check_chat_template(model_dir):
         path = Path(model_dir) / "tokenizer_config.json"
         template = read_json(path).get("chat_template") if path.is_file() else None
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        template = [t.get("template") for t in template if t.get("name") == "default"]
+        template = [t.get("template") for t in template
+                    if isinstance(t, dict) and t.get("name") == "default"]
     if template and "enable_thinking" not in str(template):  # no template: given the benefit
         raise UserError(f"{path} holds a chat template other than Qwen3's hybrid-thinking one that "
                         "--chat writes (a Qwen3-2507 model?); run it without --chat")
@@ -1228,7 +1245,10 @@ def load_model(model_dir, dtype, bits=None, group=None):
                   if can_split(config, k, group_size)]
         raise SharedError(f"{model_dir} cannot be split over {n} processes (whole heads and "
                         f"quantization groups): use {', '.join(counts)}")
-    own_head = config.tie_word_embeddings and stored_head_differs(model_dir)  # loaded too
+    try:
+        own_head = config.tie_word_embeddings and stored_head_differs(model_dir)  # loaded too
+    except ValueError as e:  # a header mx.load reads but JSON does not (padded with NULs, say)
+        raise damaged(model_dir, f"holds a weight file whose header is not plain JSON ({e})")
     shares = split_config(config, n)._replace(  # a tied head stored apart is loaded too
         tie_word_embeddings=config.tie_word_embeddings and not own_head)
     check_memory(weight_bytes(shares, dtype, bits or stored.get("bits"),
@@ -1239,9 +1259,11 @@ def load_model(model_dir, dtype, bits=None, group=None):
         tokenizer = load_tokenizer(model_dir)
     except Exception as e:  # the Rust library raises a plain Exception for any unreadable file
         raise damaged(path, f"cannot be loaded ({e})")
-    n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
-    if n_tokens > config.vocab_size:  # its ids would pick rows the embedding table lacks
-        raise UserError(f"{path} has {n_tokens} tokens, but the embedding table has only "
+    tokenizer.no_truncation()  # a tokenizer.json may ask to cut or pad every text: not a prompt
+    tokenizer.no_padding()
+    top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=0)
+    if top >= config.vocab_size:  # the id would pick a row the embedding table lacks
+        raise UserError(f"{path} has token ids up to {top}, but the embedding table has only "
                         f"{config.vocab_size} rows (vocab_size): not one model's files")
     generation_config = load_generation_config(model_dir)
     if bits or stored:
@@ -1323,18 +1345,22 @@ def find_model(model_arg, allow_download):
     downloaded into (it may hold another model). A repo id (default: Qwen/Qwen3-0.6B, in
     ./Qwen3-0.6B if present) is downloaded into its folder next to this script when incomplete."""
     repo, script_dir = repo_id(model_arg or HF_REPO), Path(__file__).resolve().parent
-    if model_arg and Path(model_arg).exists() and (
-            repo is None or Path(model_arg).resolve() != script_dir / repo):  # not a download
-        repo = None
-    if repo is None:
-        model_dir = Path(model_arg)
-    elif model_arg:
-        model_dir = script_dir / repo
-    else:  # ./Qwen3-0.6B when present, else the one next to this script
-        model_dir = Path("Qwen3-0.6B")
-        model_dir = model_dir if model_dir.is_dir() else script_dir / model_dir
-    # Names, not files: a directory in a file's place is reported as unreadable when read.
-    missing = missing_files({p.name for p in model_dir.iterdir()} if model_dir.is_dir() else ())
+    try:
+        if model_arg and Path(model_arg).exists() and (
+                repo is None or Path(model_arg).resolve() != script_dir / repo):  # no download
+            repo = None
+        if repo is None:
+            model_dir = Path(model_arg)
+        elif model_arg:
+            model_dir = script_dir / repo
+        else:  # ./Qwen3-0.6B when present, else the one next to this script
+            model_dir = Path("Qwen3-0.6B")
+            model_dir = model_dir if model_dir.is_dir() else script_dir / model_dir
+        # Names, not files: a directory in a file's place is reported as unreadable when read.
+        names = {p.name for p in model_dir.iterdir()} if model_dir.is_dir() else ()
+    except OSError as e:  # a name too long, a folder without permission, ...
+        raise UserError(f"cannot read the model folder {model_arg}: {e.strerror or e}")
+    missing = missing_files(names)
     if not missing:
         return model_dir
     what = (f"{model_dir} lacks {', '.join(missing)}" if model_dir.is_dir() else
@@ -1595,6 +1621,14 @@ class ReplyPrinter:
         sys.stdout.flush()
 
 
+def check_logits(logits):
+    """Refuse logits that are NaN or infinite, before they are shown as text or probabilities."""
+    if not mx.all(mx.isfinite(logits)).item():
+        raise UserError("the model computed NaN or infinite logits: its activations overflowed "
+                        "(float16 can, with Qwen3: try --dtype bfloat16 or float32), or the "
+                        "weights hold NaN (re-download them)")
+
+
 def stream(tokens, printer, on_first_logits=None):
     """Print (token id, logits) pairs as they are generated, until the end or Ctrl-C. Returns
     (interrupted, seconds to the first token: the prefill, seconds for the rest: the decode)."""
@@ -1604,10 +1638,7 @@ def stream(tokens, printer, on_first_logits=None):
         for token_id, logits in tokens:
             if printer.n_tokens == 0:
                 first = time.perf_counter()
-                if not mx.all(mx.isfinite(logits)).item():  # checked once: no cost per token
-                    raise UserError("the model computed NaN or infinite logits: its activations "
-                                    "overflowed (float16 can, with Qwen3: try --dtype bfloat16 "
-                                    "or float32), or the weights hold NaN (re-download them)")
+                check_logits(logits)  # once: no cost per token
                 if on_first_logits:
                     on_first_logits(logits)
             printer.add(token_id)  # <|im_end|> prints nothing
@@ -1691,6 +1722,7 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda:
     stderr. new_reply() runs before each reply (section 17's sampling starts afresh)."""
     interactive = sys.stdin.isatty()
     if interactive:
+        sys.stdin.reconfigure(errors="surrogateescape")  # bytes not UTF-8 reach as_text: one line
         try:
             import readline  # noqa: F401 (importing it is what gives input() editing and history)
         except ImportError:  # not on every platform; input() still works without
@@ -1772,6 +1804,10 @@ def join(group):
 
 
 def main(argv=None):
+    if sys.stdout is None:  # closed (>&-)
+        raise UserError("standard output is closed: nowhere to write the text")
+    if sys.stdin is None:  # closed (<&-): read as empty. (MLX would take a file it opens as
+        sys.stdin = open(os.devnull)  # descriptor 0, the lowest free one, for a failure.)
     group = mx.distributed.init()  # several processes when mlx.launch started this (section 20)
     if group.size() > 1:
         join(group)
@@ -1850,6 +1886,7 @@ def main(argv=None):
     print(f"Prompt: {shown(shortened)} ({plural(len(prompt_ids), 'token')}), {how}",
           file=sys.stderr)
     if args.trace:
+        check_logits(forward(mx.array(prompt_ids), weights, config, make_cache(config)))
         trace(prompt_ids, weights, config, tokenizer)
         return 0
     printer = ReplyPrinter(tokenizer, args.hide_think)
@@ -1889,3 +1926,7 @@ if __name__ == "__main__":
     except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit's flush can't fail
         sys.exit(141)
+    except OSError as e:  # writing the text failed: a full disk (> /dev/full), say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"llm_inference.py: error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -413,6 +413,23 @@ def test_a_line_that_is_not_utf8_is_skipped_in_one_line(tiny_model, tmp_path):
     assert [int(t[2]) for t in turn_lines(err)] == [1]  # "Hi" was answered
 
 
+def test_on_a_terminal_a_line_that_is_not_utf8_is_skipped_in_one_line(reference, monkeypatch, capsys):
+    """Fix: where the terminal's stdin decodes strictly (an en_US.UTF-8 locale), input() raised
+    UnicodeDecodeError for bytes that are not UTF-8, and the chat ended with a traceback. (A stdin
+    that says it is a terminal: input() then reads it as a file, decoded as the terminal's is.)"""
+
+    class Terminal(io.TextIOWrapper):
+        def isatty(self):
+            return True
+
+    chat = li.Chat(reference.weights, reference.config, reference.tokenizer)
+    monkeypatch.setattr(sys, "stdin", Terminal(io.BytesIO(b"caf\xe9\nHi\n"), errors="strict"))
+    li.chat_loop(chat, 2, li.Sampling(), reference.eos_ids, hide_think=False)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "not valid UTF-8" in errors[0]
+    assert [user for user, _ in chat.turns] == ["Hi"]
+
+
 def test_filters_given_without_sampling_are_said_to_be_ignored(tiny_model, tmp_path):
     rc, _, err = run_cli("--model", tiny_model, "--prompt", "Hi", "--max-tokens", 2, "--top-k", 5,
                          "--min-p", "0.1", cwd=tmp_path)

@@ -1,0 +1,193 @@
+"""Bad inputs that ended in a traceback, a hang, a crash or a wrong answer instead of one line: each
+was found by trying some 200 damaged folders, flags and streams on the script, and each test here
+fails on the code before its fix (the fix is named in its docstring)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+import llm_inference as li
+from tests.checkpoint import TINY_CONFIG, write_checkpoint
+from tests.test_cli import SCRIPT, assert_one_line_error, cli_env, parse_success, run_cli
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("bad") / "tiny", TINY_CONFIG)
+
+
+def copy(tiny, folder, **files):
+    """A copy of the tiny checkpoint in `folder`; each keyword (dots as underscores) replaces a file
+    with bytes, or with a dict written as JSON."""
+    shutil.copytree(tiny, folder)
+    for name, content in files.items():
+        name = name.replace("_json", ".json").replace("_safetensors", ".safetensors")
+        (folder / name).write_bytes(json.dumps(content).encode() if isinstance(content, dict)
+                                    else content)
+    return folder
+
+
+def config_with(tiny, **changes):
+    return json.loads((tiny / "config.json").read_text()) | changes
+
+
+def test_a_model_path_too_long_for_the_file_system(tmp_path):
+    """Fix: find_model's Path.exists() raised ENAMETOOLONG as a traceback."""
+    with pytest.raises(li.UserError, match="cannot read the model folder a+: File name too long"):
+        li.find_model("a" * 300, allow_download=False)
+
+
+@pytest.mark.parametrize("shard, message", [
+    ("a" * 300 + ".safetensors", "names a file that cannot be read"),
+    ("weights.npz", "is not a valid index of shards")], ids=["too long", "npz"])
+def test_an_index_naming_a_file_too_long_or_not_safetensors(tiny, tmp_path, shard, message):
+    """Fix: a weight_map name too long raised ENAMETOOLONG; one naming weights.npz was read by
+    mx.load (by its extension), then the stored-head check took "PK..." for a header length."""
+    folder = copy(tiny, tmp_path / "m")
+    tensors = mx.load(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    if shard.endswith(".npz"):
+        mx.savez(str(folder / shard), **tensors)
+    (folder / li.WEIGHTS_INDEX).write_text(json.dumps({"weight_map": dict.fromkeys(tensors, shard)}))
+    with pytest.raises(li.UserError, match=message):
+        li.load_model(folder, mx.float32)
+
+
+@pytest.mark.parametrize("file", ["config.json", "generation_config.json", li.WEIGHTS_INDEX])
+def test_json_nested_too_deep(tiny, tmp_path, file):
+    """Fix: json.loads' RecursionError (a RuntimeError) escaped read_json and the index check."""
+    deep = b'{"x": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    folder = copy(tiny, tmp_path / "m", **{file.replace(".json", "_json"): deep})
+    if file == li.WEIGHTS_INDEX:
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    with pytest.raises(li.UserError, match="not valid JSON|not a valid index"):
+        li.load_model(folder, mx.float32)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"rope_parameters": [1]}, "'rope_parameters' should be an object, got [1]"),
+    ({"rope_theta": 10**400}, "'rope_theta' should be a positive number"),
+    ({"rms_norm_eps": 10**400}, "'rms_norm_eps' should be a positive number"),
+    ({"quantization": {"bits": 4.0, "group_size": 64}}, "at 4.0 bits in groups of 64"),
+    ({"quantization": {"bits": 4, "group_size": 64.0}}, "at 4 bits in groups of 64.0"),
+    ({"quantization": {"bits": 4, "group_size": 64, "model.norm": {"bits": 4.0, "group_size": 64}}},
+     "at 4.0 bits in groups of 64 for model.norm"),
+], ids=["rope_parameters", "rope_theta", "rms_norm_eps", "bits", "group_size", "a layer's bits"])
+def test_config_values_that_passed_the_checks(tiny, tmp_path, changes, message):
+    """Fix: a rope_parameters list raised AttributeError; ints too large for a float, and float
+    bits or group sizes (4.0 in (2, 3, 4, ...) is True), passed, then failed inside MLX."""
+    folder = copy(tiny, tmp_path / "m", config_json=config_with(tiny, **changes))
+    with pytest.raises(li.UserError, match=message.replace("[", r"\[").replace(".", r"\.")):
+        li.check_config(folder)
+
+
+def test_a_large_integer_rope_theta_runs_as_a_float(tiny, tmp_path, capsys):
+    """Fix: "rope_theta": 10**20 (an int in JSON) reached RoPE as an int: std::bad_cast."""
+    folder = copy(tiny, tmp_path / "m", config_json=config_with(tiny, rope_theta=10**20))
+    assert li.check_config(folder)[0].rope_theta == 1e20
+    assert li.main(["--model", str(folder), "--max-tokens", "2", "--reference-ops"]) == 0
+
+
+def test_an_odd_head_dim(tmp_path):
+    """Fix: head_dim 15 (with tensors to match) failed in RoPE, which turns pairs of channels."""
+    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG | {"head_dim": 15})
+    with pytest.raises(li.UserError, match="'head_dim' should be even, got 15"):
+        li.check_config(folder)
+
+
+def test_a_billion_layers_is_refused_at_once(tiny, tmp_path):
+    """Fix: check_weights listed 11 names per layer before the first check: 10**9 layers hung."""
+    folder = copy(tiny, tmp_path / "m", config_json=config_with(tiny, num_hidden_layers=10**9))
+    result = run_cli("--model", folder, cwd=tmp_path, timeout=60)
+    assert_one_line_error(result, 1, "lacks the tensor 'model.layers.2.")
+
+
+def test_a_token_id_beyond_the_embedding_table(tiny, tmp_path):
+    """Fix: only the tokenizer's size was compared with the table; an id beyond it read outside
+    the table (at 2 * 10**9, a segmentation fault)."""
+    tokenizer = json.loads((tiny / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"]["The"] = 2 * 10**9
+    folder = copy(tiny, tmp_path / "m", tokenizer_json=tokenizer)
+    with pytest.raises(li.UserError, match="has token ids up to 2000000000, but the embedding"):
+        li.load_model(folder, mx.float32)
+
+
+def test_a_tokenizer_that_truncates_or_pads_leaves_the_prompt_whole(tiny, tmp_path, capsys):
+    """Fix: a truncation section in tokenizer.json cut the prompt to 2 tokens, and one with a
+    stride above its length panicked in the Rust library (a BaseException)."""
+    tokenizer = json.loads((tiny / "tokenizer.json").read_text())
+    tokenizer["truncation"] = {"direction": "Right", "max_length": 2, "strategy": "LongestFirst",
+                               "stride": 5}
+    tokenizer["padding"] = {"strategy": {"Fixed": 50}, "direction": "Right", "pad_to_multiple_of":
+                            None, "pad_id": 0, "pad_type_id": 0, "pad_token": "!"}
+    folder = copy(tiny, tmp_path / "m", tokenizer_json=tokenizer)
+    assert li.main(["--model", str(folder), "--max-tokens", "2"]) == 0
+    assert "'The capital of France is' (5 tokens)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("templates", [["x", 1], [{"name": "default", "template": "enable_thinking"},
+                                                   None]])
+def test_a_chat_template_list_with_entries_that_are_not_objects(tiny, tmp_path, templates):
+    """Fix: check_chat_template called .get() on each entry: AttributeError."""
+    folder = copy(tiny, tmp_path / "m", tokenizer_config_json={"chat_template": templates})
+    li.check_chat_template(folder)  # no template named default: given the benefit of the doubt
+
+
+def test_a_safetensors_header_padded_with_nul_bytes(tiny, tmp_path):
+    """Fix: mx.load reads a header padded with NUL bytes; the stored-head check's json.loads did not
+    (JSONDecodeError, a traceback)."""
+    data = (tiny / "model.safetensors").read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    padded = (length + 8).to_bytes(8, "little") + data[8:8 + length] + b"\0" * 8 + data[8 + length:]
+    folder = copy(tiny, tmp_path / "m", model_safetensors=padded)
+    with pytest.raises(li.UserError, match="whose header is not plain JSON"):
+        li.load_model(folder, mx.float32)
+
+
+def test_top_probs_beyond_the_vocabulary(tiny, capsys):
+    """Fix: --top-probs 10**12 sliced with an index MLX refuses: ValueError."""
+    li.print_top_probs(mx.arange(6, dtype=mx.float32), li.load_tokenizer(tiny), 10**12)
+    assert len(capsys.readouterr().err.splitlines()) == 1 + 6
+
+
+def test_trace_refuses_nan_logits(tiny, tmp_path):
+    """Fix: --trace printed a table of nan probabilities and exited 0; a reply says it in one line."""
+    tensors = mx.load(str(tiny / "model.safetensors"))
+    tensors["model.norm.weight"] = mx.full(tensors["model.norm.weight"].shape, mx.nan, mx.bfloat16)
+    folder = copy(tiny, tmp_path / "m")
+    mx.save_safetensors(str(folder / "model.safetensors"), tensors, metadata={"format": "pt"})
+    with pytest.raises(li.UserError, match="NaN or infinite logits"):
+        li.main(["--model", str(folder), "--trace"])
+
+
+def run_shell(command, tiny, tmp_path):
+    """The script under bash, for redirections that subprocess cannot make (a closed stream)."""
+    proc = subprocess.run(["bash", "-c", f"{sys.executable} {SCRIPT} --model {tiny} --max-tokens 2 "
+                           f"{command}"], cwd=tmp_path, capture_output=True, timeout=120,
+                          env=cli_env(tmp_path / ".hf-home"))
+    return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
+
+
+def test_closed_stdin(tiny, tmp_path):
+    """Fix: with stdin closed (<&-), --prompt - raised AttributeError, and any other run called a
+    good model.safetensors damaged (MLX opened it as descriptor 0 and took that for a failure)."""
+    parse_success(run_shell("<&-", tiny, tmp_path))
+    assert_one_line_error(run_shell("--prompt - <&-", tiny, tmp_path), 1, "the prompt is empty")
+
+
+def test_closed_stdout(tiny, tmp_path):
+    """Fix: a closed stdout (>&-) raised AttributeError as a traceback."""
+    assert_one_line_error(run_shell(">&-", tiny, tmp_path), 1, "standard output is closed")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="macOS has no /dev/full")
+def test_a_full_stdout(tiny, tmp_path):
+    """Fix: writing to a full disk (/dev/full) raised OSError as a traceback."""
+    rc, _, err = run_shell("> /dev/full", tiny, tmp_path)
+    assert rc == 1 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == "llm_inference.py: error: [Errno 28] No space left on device"
