@@ -1923,10 +1923,9 @@ if __name__ == "__main__":
         mx.synchronize()  # nothing left queued on the GPU at exit, as after Ctrl-C in stream()
         print("\nInterrupted.", file=sys.stderr)
         sys.exit(130)
-    except BrokenPipeError:  # the reader went away (`... | head`): stop quietly, as Unix tools do
+    except OSError as e:  # writing failed: the reader went away (`... | head`), or a full disk
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit's flush can't fail
-        sys.exit(141)
-    except OSError as e:  # writing the text failed: a full disk (> /dev/full), say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if isinstance(e, BrokenPipeError):  # stop quietly, as Unix tools do
+            sys.exit(141)
         print(f"llm_inference.py: error: {e}", file=sys.stderr)
         sys.exit(1)

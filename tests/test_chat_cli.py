@@ -103,13 +103,13 @@ def test_a_piped_three_turn_chat_gives_the_official_templates_greedy_replies(
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_model, reference, hf_tokenizer, tmp_path):
     first_message, second_message = "Tell me a long story.", "Shorter, please."
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--model", str(tiny_model), "--chat",
-                             "--temperature", "0", "--max-tokens", "1000"], cwd=tmp_path,
+                             "--temperature", "0", "--max-tokens", "400"], cwd=tmp_path,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=cli_env(tmp_path / ".hf-home"))
     try:
         proc.stdin.write(f"{first_message}\n".encode())
         proc.stdin.flush()
-        assert proc.stdout.read(1)  # the first reply is streaming (1000 tokens take seconds)
+        assert proc.stdout.read(1)  # the first reply is streaming (400 tokens take a second)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(f"{second_message}\n".encode(), timeout=300)
     finally:
@@ -119,14 +119,14 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_model, reference, hf_tok
     first, second = turn_lines(err)
     assert first[1] and not second[1]  # "Interrupted. Turn 1: ...", then an ordinary turn 2
     n_partial = int(first[5])
-    assert 0 < n_partial < 1000
+    assert 0 < n_partial < 400
     # The partial reply stays in the history: turn 2 answers the conversation that includes it.
     ids = official_ids(hf_tokenizer, reference, None, [], first_message, True)
     partial = greedy(reference, ids, n_partial)
     ids = official_ids(hf_tokenizer, reference, None, [(first_message, partial)], second_message,
                        True)
     assert int(second[3]) + int(second[4]) == len(ids)
-    reply = greedy(reference, ids, 1000)
+    reply = greedy(reference, ids, 400)
     assert int(second[5]) == len(reply)
     tail = "\n" + reference.tokenizer.decode(reply, skip_special_tokens=True).rstrip("\ufffd") + "\n"
     assert out.endswith(tail)
