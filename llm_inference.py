@@ -1665,6 +1665,9 @@ def read_line(interactive, prompt):
     """A line of input, None at its end. On a terminal, input() has line editing and history
     (readline, imported by chat_loop)."""
     if interactive:
+        if not sys.stdout.isatty():  # input() would write the prompt among the replies
+            print(prompt, end="", file=sys.stderr, flush=True)
+            prompt = ""
         try:
             return as_text(input(prompt), "the message")
         except EOFError:  # Ctrl-D
@@ -1812,10 +1815,16 @@ def main(argv=None):
     if group.size() > 1:
         join(group)
     args = parse_args(argv)
+    if group.size() > 1 and args.prompt == "-":  # mlx.launch never closes the processes' input
+        raise SharedError("--prompt - reads stdin to its end, which never comes under mlx.launch: "
+                          "give the text itself with --prompt")
     multi_turn = args.chat and args.prompt is None
     prompt = None if multi_turn else read_prompt(
         DEFAULT_PROMPT if args.prompt is None else args.prompt)
-    system = as_text(args.system, "--system") if args.system is not None else None
+    try:
+        system = as_text(args.system, "--system") if args.system is not None else None
+    except UserError as e:  # the same on every process: said once (section 20)
+        raise SharedError(e) from None
     if args.chat and args.temperature == 0:
         print("warning: Qwen advises against greedy decoding (--temperature 0) in chat: in "
               "thinking mode it leads to endless repetition", file=sys.stderr)
@@ -1850,17 +1859,20 @@ def main(argv=None):
     if multi_turn:  # a whole reply must fit beside each message
         n_format = len(tokenize(tokenizer, chat_prompt("", system, not args.no_think)))
         if n_format + max_tokens >= context:  # >=: a message adds at least one token
-            raise UserError(f"--max-tokens {max_tokens} leaves no room for a message in the "
+            raise SharedError(f"--max-tokens {max_tokens} leaves no room for a message in the "
                             f"model's {context}-token context (the chat format"
                             f"{' and --system' * bool(system)} takes {n_format} tokens); lower "
                             f"--max-tokens{' or shorten --system' * bool(system)}")
     else:
         text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
         prompt_ids = tokenize(tokenizer, text)
-        if len(prompt_ids) + max_tokens > context:
-            raise UserError(f"the prompt has {len(prompt_ids)} tokens; with --max-tokens "
-                            f"{max_tokens} that exceeds the model's {context}-token context: "
-                            "shorten it or lower --max-tokens")
+        if args.trace and len(prompt_ids) > context:  # the trace makes no reply
+            raise SharedError(f"the prompt has {len(prompt_ids)} tokens, more than the model's "
+                              f"{context}-token context: shorten it")
+        if not args.trace and len(prompt_ids) + max_tokens > context:
+            raise SharedError(f"the prompt has {plural(len(prompt_ids), 'token')}; with "
+                              f"--max-tokens {max_tokens} that exceeds the model's "
+                              f"{context}-token context: shorten it or lower --max-tokens")
 
     matrices = [weights["embed_tokens"], weights["lm_head"],
                 *(w for layer in weights["layers"] for w in layer.values())]

@@ -191,3 +191,46 @@ def test_a_full_stdout(tiny, tmp_path):
     rc, _, err = run_shell("> /dev/full", tiny, tmp_path)
     assert rc == 1 and "Traceback" not in err, err
     assert err.splitlines()[-1] == "llm_inference.py: error: [Errno 28] No space left on device"
+
+
+class Group:
+    """A stand-in for mx.distributed.init()'s group: process `rank` of `size`."""
+
+    def __init__(self, size, rank=0):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def test_prompt_from_stdin_is_refused_under_several_processes(tiny, monkeypatch):
+    """Fix: under mlx.launch, which never closes the processes' input, --prompt - waited forever
+    for the end of stdin."""
+    monkeypatch.setattr(li.mx.distributed, "init", lambda: Group(2))
+    monkeypatch.setattr(li, "join", lambda group: None)  # no signal handlers, no shared reads
+    with pytest.raises(li.SharedError, match="--prompt - reads stdin to its end"):
+        li.main(["--model", str(tiny), "--prompt", "-"])
+
+
+@pytest.mark.parametrize("flags", [["--max-tokens", "40960"], ["--chat", "--max-tokens", "40960"],
+                                   ["--chat", "--system", os.fsdecode(b"caf\xc3")]],
+                         ids=["prompt too long", "no room in a chat", "--system not UTF-8"])
+def test_refusals_every_process_meets_are_said_once(tiny, flags):
+    """Fix: these were plain UserErrors, which every process of a group prints: under mlx.launch,
+    the same line twice. A SharedError is said by process 0 alone."""
+    with pytest.raises(li.SharedError):
+        li.main(["--model", str(tiny), *flags])
+
+
+def test_trace_takes_a_prompt_that_fills_the_context(tmp_path, capsys):
+    """Fix: --trace, which makes no reply, refused a prompt that left no room for the default
+    --max-tokens (half the context)."""
+    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG | {"max_position_embeddings": 64})
+    prompt = " a" * 63  # 63 tokens, and no room for more
+    assert li.main(["--model", str(folder), "--trace", "--prompt", prompt]) == 0
+    assert "final RMSNorm + LM head" in capsys.readouterr().out
+    with pytest.raises(li.SharedError, match="the prompt has 65 tokens, more than the model's 64"):
+        li.main(["--model", str(folder), "--trace", "--prompt", prompt + " a a"])

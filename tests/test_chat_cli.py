@@ -425,7 +425,8 @@ def test_on_a_terminal_a_line_that_is_not_utf8_is_skipped_in_one_line(reference,
     chat = li.Chat(reference.weights, reference.config, reference.tokenizer)
     monkeypatch.setattr(sys, "stdin", Terminal(io.BytesIO(b"caf\xe9\nHi\n"), errors="strict"))
     li.chat_loop(chat, 2, li.Sampling(), reference.eos_ids, hide_think=False)
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    # After the prompt `>>> `: a terminal would have echoed the typed line and its newline.
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "not valid UTF-8" in errors[0]
     assert [user for user, _ in chat.turns] == ["Hi"]
 
@@ -511,3 +512,20 @@ def test_chat_max_tokens_leaving_room_for_a_short_message_runs(tiny_model, varia
     # The chat format takes 8 tokens, "Hi" 1 more: 7 are left for the reply (8 leave none for any text).
     rc, out, err = run_cli("--model", folder, "--chat", "--max-tokens", 7, cwd=tmp_path, stdin=b"Hi\n")
     assert rc == 0 and [int(t[2]) for t in turn_lines(err)] == [1], err
+
+
+def test_on_a_terminal_with_stdout_redirected_the_prompts_go_to_stderr(reference, monkeypatch,
+                                                                        capsys):
+    """Fix: `--chat > replies.txt` typed on a terminal wrote input()'s `>>> ` into replies.txt, and
+    the person typing saw no prompt."""
+
+    class Terminal(io.TextIOWrapper):
+        def isatty(self):
+            return True
+
+    chat = li.Chat(reference.weights, reference.config, reference.tokenizer)
+    monkeypatch.setattr(sys, "stdin", Terminal(io.BytesIO(b'Hi\n"""\nTwo\nlines\n"""\n')))
+    li.chat_loop(chat, 2, li.Sampling(), reference.eos_ids, hide_think=False)
+    out, err = capsys.readouterr()
+    assert ">>>" not in out and "..." not in out
+    assert err.count(">>> ") == 3 and err.count("... ") == 3

@@ -51,7 +51,7 @@ WIDE_CONFIG = TINY_CONFIG | {"hidden_size": 128, "head_dim": 64, "intermediate_s
 CHAT_INPUT = "Hello there\nTell me more\n/reset\nHello there\n/exit\n"
 CASES = {  # name: (command line, with {tiny} {wide} {stored} for the folders; process 0's stdin)
     "tied head": ("--model {tiny} --prompt '%s' --max-tokens 10 --top-probs 5" % PROMPT, ""),
-    "untied head, prompt on stdin": ("--model {wide} --prompt - --max-tokens 10", "Once upon a\n"),
+    "untied head": ("--model {wide} --prompt 'Once upon a' --max-tokens 10", ""),
     "stored 4-bit": ("--model {stored} --prompt '%s' --max-tokens 10 --top-probs 5" % PROMPT, ""),
     "--quantize 4": ("--model {wide} --quantize 4 --prompt '%s' --max-tokens 10" % PROMPT, ""),
     "sampled": ("--model {tiny} --prompt '%s' --temperature 0.9 --seed 7 --max-tokens 10"
