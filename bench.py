@@ -70,6 +70,10 @@ def chat_experiment(weights, config, tokenizer, turns, reply_tokens):
     for name in ("warm-up", "run"):
         chat = li.Chat(weights, config, tokenizer)
         for turn in range(1, turns + 1):
+            if len(chat.prompt_ids(message)) + reply_tokens > config.max_position_embeddings:
+                sys.exit(f"bench.py: error: turn {turn} would outgrow the model's "
+                         f"{config.max_position_embeddings}-token context: lower --chat-turns or "
+                         "--decode-tokens")
             fresh = li.Chat(weights, config, tokenizer)
             fresh.turns = list(chat.turns)
             start = time.perf_counter()
@@ -218,6 +222,8 @@ def quantization_error(model_dir, config, weights):
     for short in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
         w = stored[f"model.layers.0.{names[short]}"].astype(mx.float32)
         q = weights["layers"][0][short]
+        if not isinstance(q, li.Quantized):  # rows that do not split into groups stay as they are
+            continue
         q = q._replace(scales=q.scales.astype(mx.float32), biases=q.biases.astype(mx.float32))
         x = mx.random.normal((64, w.shape[1]), key=mx.random.key(3))
         exact = x @ w.T
@@ -244,28 +250,37 @@ def by_checkpoint_name(weights, config):
     return arrays
 
 
+def check_request(model_dir, bits, longest):
+    """What bench.py asks of a folder beyond what the command line checks: one line each."""
+    config, stored = li.check_config(model_dir)
+    if bits and stored:  # mlx-lm would quantize the packed integers again
+        raise li.UserError(f"{model_dir} is already quantized to {stored.get('bits')} bits: drop "
+                           "--quantize")
+    if longest > config.max_position_embeddings:
+        raise li.UserError(f"a prompt and its new tokens would reach {longest} tokens, beyond the "
+                           f"model's {config.max_position_embeddings}-token context: lower "
+                           "--prompt-lengths, --cache-lengths or --decode-tokens")
+
+
 def load_pair(model_dir, dtype, bits=None):
     """Our weights, and mlx-lm's model holding the very same arrays (so memory is not counted twice).
     With bits, mlx-lm's model is quantized by mlx-lm's own converter function, then given our arrays,
     which the tests show hold the same numbers."""
     from mlx_lm.utils import load, quantize_model
 
-    config, stored = li.check_config(model_dir)  # stored: config.json's "quantization", or {}
-    li.check_weights(model_dir, config, stored)  # a damaged or mismatched file: one line
-    if bits or stored:  # section 16's replacements, as the command line makes them (load_model)
-        li.use_quantization(bits, stored)
-    weights = li.load_weights(model_dir, config, dtype)
+    # The command line's loader: every check of the folder (one line each), section 16's replacements.
+    config, weights, tokenizer, _ = li.load_model(model_dir, dtype, bits)
     try:
         model, _, raw_config = load(str(model_dir), lazy=True, return_config=True)
-    except (ValueError, RuntimeError) as e:  # a checkpoint mlx-lm reads otherwise than we do
-        raise li.UserError(f"mlx-lm cannot load {model_dir} ({e})")
+    except Exception as e:  # a checkpoint mlx-lm reads otherwise than we do, or cannot read
+        raise li.UserError(f"mlx-lm cannot load {model_dir} ({type(e).__name__}: {e})")
     if bits:
         model, _ = quantize_model(model, raw_config, li.GROUP_SIZE, bits)
     names = [name for name, _ in tree_flatten(model.parameters())]
     named = by_checkpoint_name(weights, config)
     model.update(tree_unflatten([(name, named[name]) for name in names]))
     mx.eval(model.parameters())
-    return config, weights, model
+    return config, weights, tokenizer, model
 
 
 def main():
@@ -304,6 +319,8 @@ def main():
     if missing:  # the yardstick, and the Qwen vocabulary of the random-weight checkpoints
         sys.exit(f"bench.py: error: bench.py needs the test requirements ({', '.join(missing)} "
                  "missing): pip install -r requirements-dev.txt")
+    if args.device == "gpu" and not mx.is_available(mx.gpu):
+        sys.exit("bench.py: error: --device gpu, but this MLX has no GPU (a CPU-only build?)")
     if args.device:
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     dtype = li.pick_dtype(args.dtype)
@@ -328,11 +345,12 @@ def main():
             model_dir = Path(tmp) / "model"
             print(f"writing a random-weight {'tiny' if args.tiny else 'Qwen3-0.6B-shaped'} checkpoint ...", flush=True)
             write_checkpoint(model_dir, TINY_CONFIG if args.tiny else None)
+        longest = max(args.prompt_lengths + (args.cache_lengths or [])) + args.decode_tokens
         try:
-            config, weights, model = load_pair(model_dir, dtype, args.quantize)
+            check_request(model_dir, args.quantize, 0 if args.chat_turns else longest)
+            config, weights, tokenizer, model = load_pair(model_dir, dtype, args.quantize)
         except li.UserError as e:
             sys.exit(f"bench.py: error: {e}")
-        tokenizer = li.load_tokenizer(model_dir)
         stored_bits = li.check_config(model_dir)[1].get("bits")  # a folder stored quantized
         if args.quantize:
             errors = quantization_error(model_dir, config, weights)
@@ -495,6 +513,7 @@ def distributed_benchmark(args, dtype):
     with tempfile.TemporaryDirectory() as tmp:
         try:
             model_dir = distributed_model_dir(args, group, tmp)
+            check_request(model_dir, args.quantize, length + n_tokens)
             config = li.check_config(model_dir)[0]
         except li.UserError as e:
             sys.exit(f"bench.py: error{f' (process {rank})' if rank else ''}: {e}")
@@ -513,7 +532,10 @@ def distributed_benchmark(args, dtype):
             if rank:
                 return  # process 0 alone from here
             mx.clear_cache()
-        _, weights, model = load_split(model_dir, dtype, args.quantize, None, replaced)
+        try:
+            _, weights, model = load_split(model_dir, dtype, args.quantize, None, replaced)
+        except li.UserError as e:
+            sys.exit(f"bench.py: error: {e}")
         runners = {"ours": ours(weights, config), "mlx-lm": mlx_lm_runner(model)}
         rows.append((1, compare_split(runners, prompt, n_tokens, reps)))
     bits = f", {args.quantize}-bit weights" if args.quantize else ""
@@ -530,8 +552,9 @@ def distributed_benchmark(args, dtype):
             print(f"{processes:>9} {name:>7} {m['ttft'] * 1e3:9.1f} {m['decode']:13.1f}")
         o, t = medians["ours"], medians["mlx-lm"]
         same = sum(a == b for a, b in zip(o["tokens"], t["tokens"]))
+        decode = f"{o['decode'] / t['decode']:.2f}x" if t["decode"] else "-"  # one token: no rate
         print(f"{'':>9} {'ratio':>7} ours/mlx-lm: TTFT {o['ttft'] / t['ttft']:.2f}x, decode "
-              f"{o['decode'] / t['decode']:.2f}x; greedy tokens identical: {same}/{n_tokens}")
+              f"{decode}; greedy tokens identical: {same}/{n_tokens}")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def test_a_decode_step_has_fewer_primitives_than_mlx_lms(tiny_folder, dtype, bit
     in ours (with the fused kernels, compiled, as the command line and bench.py run it)."""
     li.use_fused_kernels()  # tests/conftest.py puts Part 1 back afterwards
     li.compile_model()
-    config, weights, model = bench.load_pair(tiny_folder, dtype, bits)
+    config, weights, _, model = bench.load_pair(tiny_folder, dtype, bits)
     assert (li.linear is li.quantized_linear) == bool(bits)  # section 16's replacements
     counts = bench.primitives_per_step(weights, config, model)
     ours, theirs = counts["ours"], counts["mlx-lm"]
@@ -152,3 +152,79 @@ def test_prompt_length_5_is_measured_once_with_its_decode(tiny_folder, tmp_path,
     assert [row[1] for row in rows] == ["ours", "mlx-lm"] and all(float(r[4]) > 0 for r in rows)
     (ratio,) = [line for line in out if "ratio ours/mlx-lm" in line]
     assert "decode " in ratio and "above it, so the bandwidth probe ran slow" in ratio
+
+
+# Bad inputs that ended in a traceback (each test fails on the code before its fix).
+
+def bench_main(monkeypatch, *flags):
+    """bench.main() with these flags; its one-line error, or None when it ran."""
+    monkeypatch.setattr(sys, "argv", ["bench.py", *map(str, flags)])
+    try:
+        bench.main()
+    except SystemExit as e:
+        assert isinstance(e.code, str) and "\n" not in e.code, e.code
+        return e.code
+    return None
+
+
+def copy_of(folder, target, **replacements):
+    target.mkdir()
+    for path in folder.iterdir():
+        (target / path.name).write_bytes(replacements.get(path.name, path.read_bytes()))
+    return target
+
+
+def test_device_gpu_without_a_gpu(monkeypatch):
+    """Fix: mx.set_default_device(mx.gpu) raised ValueError on a CPU-only MLX."""
+    monkeypatch.setattr(mx, "is_available", lambda device: device != mx.gpu)
+    assert bench_main(monkeypatch, "--device", "gpu", "--matmul").endswith("this MLX has no GPU "
+                                                                          "(a CPU-only build?)")
+
+
+def test_a_damaged_tokenizer(tiny_folder, tmp_path, monkeypatch):
+    """Fix: load_pair left tokenizer.json unchecked: {} gave KeyError. It now loads through
+    llm_inference.load_model, whose checks give one line, in one process and with --distributed."""
+    folder = copy_of(tiny_folder, tmp_path / "m", **{"tokenizer.json": b"{}"})
+    for flags in ([], ["--distributed"]):
+        error = bench_main(monkeypatch, "--model", folder, "--primitives", *flags)
+        assert error.startswith(f"bench.py: error: {folder / 'tokenizer.json'} cannot be loaded")
+
+
+def test_quantize_on_a_quantized_folder(tiny_model, checkpoints, monkeypatch):
+    """Fix: mlx-lm quantized the stored integers again: a ValueError in quantization_error."""
+    converted_4bit = checkpoints.converted(tiny_model, name="tiny-4bit", quantize=True, q_bits=4,
+                                           q_group_size=64)  # as tests/test_cli.py's fixture
+    for flags in (["--cache-lengths", 8], ["--distributed"]):
+        error = bench_main(monkeypatch, "--model", converted_4bit, "--quantize", 8, *flags)
+        assert error == f"bench.py: error: {converted_4bit} is already quantized to 4 bits: drop --quantize"
+
+
+def test_lengths_beyond_the_context(tmp_path, monkeypatch):
+    """Fix: --prompt-lengths 10**12 failed in mx.random.randint (OverflowError); lengths beyond the
+    model's context ran past it; so did a chat outgrowing it."""
+    from tests.checkpoint import TINY_CONFIG, write_checkpoint
+
+    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG | {"max_position_embeddings": 64})
+    for flags in (["--prompt-lengths", 10**12], ["--prompt-lengths", 60, "--decode-tokens", 8],
+                  ["--cache-lengths", 60, "--decode-tokens", 8], ["--distributed", "--prompt-lengths", 60]):
+        assert "beyond the model's 64-token context" in bench_main(monkeypatch, "--model", folder, *flags)
+    error = bench_main(monkeypatch, "--model", folder, "--chat-turns", 3, "--decode-tokens", 40)
+    assert error.endswith("turn 2 would outgrow the model's 64-token context: lower --chat-turns or "
+                          "--decode-tokens")
+
+
+def test_distributed_with_one_new_token(tiny_folder, monkeypatch, capsys):
+    """Fix: with --decode-tokens 1 both decode rates are 0: ZeroDivisionError in the ratio."""
+    assert bench_main(monkeypatch, "--distributed", "--model", tiny_folder, "--prompt-lengths", 4,
+                      "--decode-tokens", 1) is None
+    assert "decode -; greedy tokens identical: 1/1" in capsys.readouterr().out
+
+
+def test_quantization_error_skips_matrices_left_unquantized(tmp_path):
+    """Fix: with hidden_size 96 (no whole groups of 64), q_proj stays in floats, and
+    quantization_error called ._replace on it: AttributeError."""
+    from tests.checkpoint import TINY_CONFIG, write_checkpoint
+
+    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG | {"hidden_size": 96})
+    config, weights, _, _ = bench.load_pair(folder, mx.float32, 4)
+    assert set(bench.quantization_error(folder, config, weights)) == {"o_proj", "down_proj"}
