@@ -12,13 +12,14 @@ import mlx.core as mx
 import pytest
 
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG, write_checkpoint
+from tests.checkpoint import TINY_CONFIG
 from tests.test_cli import SCRIPT, assert_one_line_error, cli_env, parse_success, run_cli
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("bad") / "tiny", TINY_CONFIG)
+@pytest.fixture
+def tiny(tiny_model):
+    """tests/conftest.py's tiny checkpoint, made once per process (only read, or copied)."""
+    return tiny_model
 
 
 def copy(tiny, folder, **files):
@@ -93,9 +94,9 @@ def test_a_large_integer_rope_theta_runs_as_a_float(tiny, tmp_path, capsys):
     assert li.main(["--model", str(folder), "--max-tokens", "2", "--reference-ops"]) == 0
 
 
-def test_an_odd_head_dim(tmp_path):
+def test_an_odd_head_dim(checkpoints):
     """Fix: head_dim 15 (with tensors to match) failed in RoPE, which turns pairs of channels."""
-    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG | {"head_dim": 15})
+    folder = checkpoints(TINY_CONFIG | {"head_dim": 15})
     with pytest.raises(li.UserError, match="'head_dim' should be even, got 15"):
         li.check_config(folder)
 
@@ -225,10 +226,10 @@ def test_refusals_every_process_meets_are_said_once(tiny, flags):
         li.main(["--model", str(tiny), *flags])
 
 
-def test_trace_takes_a_prompt_that_fills_the_context(tmp_path, capsys):
+def test_trace_takes_a_prompt_that_fills_the_context(checkpoints, capsys):
     """Fix: --trace, which makes no reply, refused a prompt that left no room for the default
     --max-tokens (half the context)."""
-    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG | {"max_position_embeddings": 64})
+    folder = checkpoints(TINY_CONFIG | {"max_position_embeddings": 64})
     prompt = " a" * 63  # 63 tokens, and no room for more
     assert li.main(["--model", str(folder), "--trace", "--prompt", prompt]) == 0
     assert "final RMSNorm + LM head" in capsys.readouterr().out

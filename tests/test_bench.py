@@ -190,27 +190,30 @@ def test_a_damaged_tokenizer(tiny_folder, tmp_path, monkeypatch):
         assert error.startswith(f"bench.py: error: {folder / 'tokenizer.json'} cannot be loaded")
 
 
-def test_quantize_on_a_quantized_folder(tiny_model, checkpoints, monkeypatch):
-    """Fix: mlx-lm quantized the stored integers again: a ValueError in quantization_error."""
-    converted_4bit = checkpoints.converted(tiny_model, name="tiny-4bit", quantize=True, q_bits=4,
-                                           q_group_size=64)  # as tests/test_cli.py's fixture
+def test_quantize_on_a_quantized_folder(tiny_model, tmp_path, monkeypatch):
+    """Fix: mlx-lm quantized the stored integers again: a ValueError in quantization_error. (The
+    refusal reads config.json alone: its "quantization" entry says the folder is stored quantized.)"""
+    config = json.loads((tiny_model / "config.json").read_text())
+    stored = json.dumps(config | {"quantization": {"group_size": 64, "bits": 4}}).encode()
+    folder = copy_of(tiny_model, tmp_path / "m", **{"config.json": stored})
     for flags in (["--cache-lengths", 8], ["--distributed"]):
-        error = bench_main(monkeypatch, "--model", converted_4bit, "--quantize", 8, *flags)
-        assert error == f"bench.py: error: {converted_4bit} is already quantized to 4 bits: drop --quantize"
+        error = bench_main(monkeypatch, "--model", folder, "--quantize", 8, *flags)
+        assert error == f"bench.py: error: {folder} is already quantized to 4 bits: drop --quantize"
 
 
-def test_lengths_beyond_the_context(tmp_path, monkeypatch):
+def test_lengths_beyond_the_context(checkpoints, monkeypatch):
     """Fix: --prompt-lengths 10**12 failed in mx.random.randint (OverflowError); lengths beyond the
     model's context ran past it; so did a chat outgrowing it."""
-    from tests.checkpoint import TINY_CONFIG, write_checkpoint
+    from tests.checkpoint import TINY_CONFIG
 
-    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG | {"max_position_embeddings": 64})
+    folder = checkpoints(TINY_CONFIG | {"max_position_embeddings": 64})
     for flags in (["--prompt-lengths", 10**12], ["--prompt-lengths", 60, "--decode-tokens", 8],
                   ["--cache-lengths", 60, "--decode-tokens", 8], ["--distributed", "--prompt-lengths", 60]):
         assert "beyond the model's 64-token context" in bench_main(monkeypatch, "--model", folder, *flags)
-    error = bench_main(monkeypatch, "--model", folder, "--chat-turns", 3, "--decode-tokens", 40)
-    assert error.endswith("turn 2 would outgrow the model's 64-token context: lower --chat-turns or "
-                          "--decode-tokens")
+    config, weights, tokenizer, _ = li.load_model(folder, mx.float32)
+    with pytest.raises(SystemExit, match="turn 2 would outgrow the model's 64-token context: lower "
+                                         "--chat-turns or --decode-tokens"):
+        bench.chat_experiment(weights, config, tokenizer, 3, 40)
 
 
 def test_distributed_with_one_new_token(tiny_folder, monkeypatch, capsys):
@@ -220,11 +223,11 @@ def test_distributed_with_one_new_token(tiny_folder, monkeypatch, capsys):
     assert "decode -; greedy tokens identical: 1/1" in capsys.readouterr().out
 
 
-def test_quantization_error_skips_matrices_left_unquantized(tmp_path):
+def test_quantization_error_skips_matrices_left_unquantized(checkpoints):
     """Fix: with hidden_size 96 (no whole groups of 64), q_proj stays in floats, and
     quantization_error called ._replace on it: AttributeError."""
-    from tests.checkpoint import TINY_CONFIG, write_checkpoint
+    from tests.checkpoint import TINY_CONFIG
 
-    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG | {"hidden_size": 96})
-    config, weights, _, _ = bench.load_pair(folder, mx.float32, 4)
+    folder = checkpoints(TINY_CONFIG | {"hidden_size": 96})
+    config, weights, _, _ = li.load_model(folder, mx.float32, 4)  # as load_pair loads ours
     assert set(bench.quantization_error(folder, config, weights)) == {"o_proj", "down_proj"}
