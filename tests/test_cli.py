@@ -586,6 +586,13 @@ def test_chat_refuses_a_non_hybrid_template(tiny_model, variant, tmp_path, where
             tiny_model, [{"name": "default", "template": template}, {"name": "tool_use", "template": tail}]))
     else:
         folder = variant(tokenizer_config_json=tokenizer_config(tiny_model, template))
+    with pytest.raises(li.UserError, match="hybrid-thinking one that --chat writes .*; run it without --chat"):
+        li.check_chat_template(folder)
+
+
+def test_a_non_hybrid_template_is_refused_with_chat_only(tiny_model, variant, tmp_path):
+    template = "{%- for message in messages %}{{- message.content }}{%- endfor %}" + INSTRUCT_2507_TAIL
+    folder = variant(tokenizer_config_json=tokenizer_config(tiny_model, template))
     assert_one_line_error(run_cli("--model", folder, "--chat", cwd=tmp_path), 1, "hybrid-thinking",
                           "without --chat")
     parse_success(run_cli("--model", folder, "--max-tokens", 2, cwd=tmp_path))  # plain completion works
@@ -704,9 +711,13 @@ def test_generation_config_value_of_the_wrong_type_or_range(tiny_model, variant,
                                                              shown):
     generation_config = json.loads((tiny_model / "generation_config.json").read_text()) | {key: value}
     folder = variant(generation_config_json=generation_config)
-    assert_one_line_error(run_cli("--model", folder, "--max-tokens", 2, cwd=tmp_path), 1,
-                          str(folder / "generation_config.json"), f"{key!r} should be {expected}", f"got {shown}",
-                          "delete the file")
+    with pytest.raises(li.UserError) as error:
+        li.load_generation_config(folder)
+    message = str(error.value)
+    assert message.startswith(f"{folder / 'generation_config.json'}: {key!r} should be {expected}")
+    assert f"got {shown}" in message and message.endswith("; fix it or delete the file")
+    if key == "top_k" and value == "x":  # through the command line: one line, exit status 1
+        assert_one_line_error(run_cli("--model", folder, "--max-tokens", 2, cwd=tmp_path), 1, message)
 
 
 def test_generation_config_temperature_not_a_number_in_chat(tiny_model, variant, tmp_path):
