@@ -1261,9 +1261,9 @@ def load_model(model_dir, dtype, bits=None, group=None):
         raise damaged(path, f"cannot be loaded ({e})")
     tokenizer.no_truncation()  # a tokenizer.json may ask to cut or pad every text: not a prompt
     tokenizer.no_padding()
-    top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=0)
-    if top >= config.vocab_size:  # the id would pick a row the embedding table lacks
-        raise UserError(f"{path} has token ids up to {top}, but the embedding table has only "
+    n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
+    if n_tokens > config.vocab_size:  # its ids would pick rows the embedding table lacks
+        raise UserError(f"{path} has {n_tokens} tokens, but the embedding table has only "
                         f"{config.vocab_size} rows (vocab_size): not one model's files")
     generation_config = load_generation_config(model_dir)
     if bits or stored:
@@ -1697,12 +1697,22 @@ def read_message(interactive):
     return "\n".join(lines)
 
 
+def check_ids(ids, config):
+    """Refuse token ids the embedding table has no row for (embed() would read outside it): an
+    edited tokenizer.json can give them, which its size alone (checked at load) does not show."""
+    if ids and max(ids) >= config.vocab_size:
+        raise UserError(f"tokenizer.json gave the token id {max(ids)}, but the embedding table has "
+                        f"only {config.vocab_size} rows (vocab_size): not one model's files")
+
+
 def make_room(chat, message, max_tokens):
     """Forget the oldest turns until the conversation, the new message and a whole reply fit in
     the context, and say so. A message too long even alone is a UserError, and leaves the
     conversation as it was. Once the context is full, every turn prefills it all again."""
     context, turns, dropped = chat.config.max_position_embeddings, chat.turns, 0
-    n_prompt = len(chat.prompt_ids(message))
+    ids = chat.prompt_ids(message)
+    check_ids(ids, chat.config)
+    n_prompt = len(ids)
     try:
         while n_prompt + max_tokens > context and dropped < len(turns):
             dropped += 1
@@ -1866,6 +1876,7 @@ def main(argv=None):
     else:
         text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
         prompt_ids = tokenize(tokenizer, text)
+        check_ids(prompt_ids, config)
         if args.trace and len(prompt_ids) > context:  # the trace makes no reply
             raise SharedError(f"the prompt has {len(prompt_ids)} tokens, more than the model's "
                               f"{context}-token context: shorten it")

@@ -2,6 +2,7 @@
 was found by trying some 200 damaged folders, flags and streams on the script, and each test here
 fails on the code before its fix (the fix is named in its docstring)."""
 
+import io
 import json
 import os
 import shutil
@@ -108,14 +109,18 @@ def test_a_billion_layers_is_refused_at_once(tiny, tmp_path):
     assert_one_line_error(result, 1, "lacks the tensor 'model.layers.2.")
 
 
-def test_a_token_id_beyond_the_embedding_table(tiny, tmp_path):
+def test_a_token_id_beyond_the_embedding_table(tiny, tmp_path, monkeypatch, capsys):
     """Fix: only the tokenizer's size was compared with the table; an id beyond it read outside
-    the table (at 2 * 10**9, a segmentation fault)."""
+    the table (at 2 * 10**9, a segmentation fault). Refused in the prompt; in a chat, the message."""
     tokenizer = json.loads((tiny / "tokenizer.json").read_text())
     tokenizer["model"]["vocab"]["The"] = 2 * 10**9
     folder = copy(tiny, tmp_path / "m", tokenizer_json=tokenizer)
-    with pytest.raises(li.UserError, match="has token ids up to 2000000000, but the embedding"):
-        li.load_model(folder, mx.float32)
+    with pytest.raises(li.UserError, match="gave the token id 2000000000, but the embedding table"):
+        li.main(["--model", str(folder), "--max-tokens", "2"])
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"The end\nHi\n")))
+    assert li.main(["--model", str(folder), "--chat", "--max-tokens", "2"]) == 0
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "gave the token id 2000000000" in errors[0]
 
 
 def test_a_tokenizer_that_truncates_or_pads_leaves_the_prompt_whole(tiny, tmp_path, capsys):

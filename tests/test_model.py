@@ -389,8 +389,8 @@ def test_a_tokenizer_larger_than_the_embedding_table_is_refused(tmp_path):
     assert n_tokens == 151669
     with pytest.raises(li.UserError) as error:
         li.load_model(folder, mx.float32)
-    assert str(error.value) == (f"{folder / 'tokenizer.json'} has token ids up to 151668, but the "
-                                "embedding table has only 1000 rows (vocab_size): not one model's files")
+    assert str(error.value) == (f"{folder / 'tokenizer.json'} has 151669 tokens, but the embedding "
+                                "table has only 1000 rows (vocab_size): not one model's files")
 
 
 @pytest.mark.parametrize("shards", [1, 3])
