@@ -942,7 +942,7 @@ def is_number(value, kind=float):
     """Whether a JSON value is a finite number of `kind` (float takes ints; true is no number)."""
     if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
         return False
-    return kind is int or abs(value) < 1e308 and math.isfinite(value)  # 10**400: too large
+    return kind is int or abs(value) < 1e308  # not NaN, infinite, or an int too large (10**400)
 
 
 # --- Checking the model folder: everything Part 1's loaders assume, each failure one line ---------
@@ -1870,16 +1870,16 @@ def main(argv=None):
         n_format = len(tokenize(tokenizer, chat_prompt("", system, not args.no_think)))
         if n_format + max_tokens >= context:  # >=: a message adds at least one token
             raise SharedError(f"--max-tokens {max_tokens} leaves no room for a message in the "
-                            f"model's {context}-token context (the chat format"
-                            f"{' and --system' * bool(system)} takes {n_format} tokens); lower "
-                            f"--max-tokens{' or shorten --system' * bool(system)}")
+                              f"model's {context}-token context (the chat format"
+                              f"{' and --system' * bool(system)} takes {n_format} tokens); lower "
+                              f"--max-tokens{' or shorten --system' * bool(system)}")
     else:
         text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
         prompt_ids = tokenize(tokenizer, text)
         check_ids(prompt_ids, config)
         if args.trace and len(prompt_ids) > context:  # the trace makes no reply
-            raise SharedError(f"the prompt has {len(prompt_ids)} tokens, more than the model's "
-                              f"{context}-token context: shorten it")
+            raise SharedError(f"the prompt has {plural(len(prompt_ids), 'token')}, more than the "
+                              f"model's {context}-token context: shorten it")
         if not args.trace and len(prompt_ids) + max_tokens > context:
             raise SharedError(f"the prompt has {plural(len(prompt_ids), 'token')}; with "
                               f"--max-tokens {max_tokens} that exceeds the model's "
