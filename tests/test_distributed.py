@@ -568,8 +568,8 @@ def test_a_process_killed_mid_reply_ends_the_other(folders, tmp_path, killed):
     ring backend fails its pending tasks ("Too many send/recv errors") while our next step is being
     queued, and mx.async_eval then waits forever for a stream that never finishes (MLX's eval_impl
     synchronizes the open streams when a primitive throws). No Python code runs then, so the script
-    cannot end itself; under mlx.launch, the launcher ends it when the other process dies. Such a
-    hang must be that one: MLX's message last, nothing of ours."""
+    cannot end itself (nor Ctrl-C end it); under mlx.launch, the launcher ends it when the other
+    process dies. Such a hang must be that one: MLX's message last, nothing of ours."""
     command = [SCRIPT, "--model", folders["tiny"], "--prompt", PROMPT, "--max-tokens", 5000]
     processes = start([command] * 2, tmp_path)
     first, _ = processes
