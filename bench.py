@@ -345,9 +345,12 @@ def main():
             model_dir = Path(tmp) / "model"
             print(f"writing a random-weight {'tiny' if args.tiny else 'Qwen3-0.6B-shaped'} checkpoint ...", flush=True)
             write_checkpoint(model_dir, TINY_CONFIG if args.tiny else None)
-        longest = max(args.prompt_lengths + (args.cache_lengths or [])) + args.decode_tokens
+        # The longest sequence the chosen measurement makes (a chat checks each turn itself).
+        longest = (max(args.cache_lengths) + 16 if args.cache_lengths  # cache_experiment's n
+                   else 0 if args.primitives or args.chat_turns
+                   else max(args.prompt_lengths) + args.decode_tokens)
         try:
-            check_request(model_dir, args.quantize, 0 if args.chat_turns else longest)
+            check_request(model_dir, args.quantize, longest)
             config, weights, tokenizer, model = load_pair(model_dir, dtype, args.quantize)
         except li.UserError as e:
             sys.exit(f"bench.py: error: {e}")

@@ -898,6 +898,7 @@ def use_tensor_parallelism(group):
 # ================================================================================================
 
 import argparse  # the imports only the program needs
+import errno
 import re
 import shlex
 import signal
@@ -939,7 +940,7 @@ def read_json(path, fix="re-download it"):
 
 
 def is_number(value, kind=float):
-    """Whether a JSON value is a finite number of `kind` (float takes ints; true is no number)."""
+    """Whether a JSON value is a number of `kind` below 1e308 (float takes ints; true is none)."""
     if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
         return False
     return kind is int or abs(value) < 1e308  # not NaN, infinite, or an int too large (10**400)
@@ -1247,7 +1248,7 @@ def load_model(model_dir, dtype, bits=None, group=None):
                         f"quantization groups): use {', '.join(counts)}")
     try:
         own_head = config.tie_word_embeddings and stored_head_differs(model_dir)  # loaded too
-    except ValueError as e:  # a header mx.load reads but JSON does not (padded with NULs, say)
+    except (ValueError, RecursionError) as e:  # a header mx.load reads but json does not
         raise damaged(model_dir, f"holds a weight file whose header is not plain JSON ({e})")
     shares = split_config(config, n)._replace(  # a tied head stored apart is loaded too
         tie_word_embeddings=config.tie_word_embeddings and not own_head)
@@ -1359,7 +1360,8 @@ def find_model(model_arg, allow_download):
         # Names, not files: a directory in a file's place is reported as unreadable when read.
         names = {p.name for p in model_dir.iterdir()} if model_dir.is_dir() else ()
     except OSError as e:  # a name too long, a folder without permission, ...
-        raise UserError(f"cannot read the model folder {model_arg}: {e.strerror or e}")
+        raise UserError(f"cannot read the model folder {model_arg or 'Qwen3-0.6B'}: "
+                        f"{e.strerror or e}")
     missing = missing_files(names)
     if not missing:
         return model_dir
@@ -1735,7 +1737,8 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda:
     stderr. new_reply() runs before each reply (section 17's sampling starts afresh)."""
     interactive = sys.stdin.isatty()
     if interactive:
-        sys.stdin.reconfigure(errors="surrogateescape")  # bytes not UTF-8 reach as_text: one line
+        if hasattr(sys.stdin, "reconfigure"):  # bytes not UTF-8 then reach as_text: one line
+            sys.stdin.reconfigure(errors="surrogateescape")
         try:
             import readline  # noqa: F401 (importing it is what gives input() editing and history)
         except ImportError:  # not on every platform; input() still works without
@@ -1819,8 +1822,8 @@ def join(group):
 def main(argv=None):
     if sys.stdout is None:  # closed (>&-)
         raise UserError("standard output is closed: nowhere to write the text")
-    if sys.stdin is None:  # closed (<&-): read as empty. (MLX would take a file it opens as
-        sys.stdin = open(os.devnull)  # descriptor 0, the lowest free one, for a failure.)
+    if sys.stdin is None:  # closed (<&-): read as empty. /dev/null also fills descriptor 0, where
+        sys.stdin = open(os.devnull)  # MLX would take a weight file it opens for a failure.
     group = mx.distributed.init()  # several processes when mlx.launch started this (section 20)
     if group.size() > 1:
         join(group)
@@ -1947,8 +1950,10 @@ if __name__ == "__main__":
         print("\nInterrupted.", file=sys.stderr)
         sys.exit(130)
     except OSError as e:  # writing failed: the reader went away (`... | head`), or a full disk
+        if not isinstance(e, BrokenPipeError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit's flush can't fail
         if isinstance(e, BrokenPipeError):  # stop quietly, as Unix tools do
             sys.exit(141)
-        print(f"llm_inference.py: error: {e}", file=sys.stderr)
+        print(f"llm_inference.py: error: cannot write the text: {e.strerror}", file=sys.stderr)
         sys.exit(1)

@@ -144,13 +144,20 @@ def test_a_chat_template_list_with_entries_that_are_not_objects(tiny, tmp_path, 
     li.check_chat_template(folder)  # no template named default: given the benefit of the doubt
 
 
-def test_a_safetensors_header_padded_with_nul_bytes(tiny, tmp_path):
-    """Fix: mx.load reads a header padded with NUL bytes; the stored-head check's json.loads did not
-    (JSONDecodeError, a traceback)."""
+@pytest.mark.parametrize("change", ["padded with NUL bytes", "nested 3000 deep"])
+def test_a_safetensors_header_that_mlx_reads_and_json_does_not(tiny, tmp_path, change):
+    """Fix: mx.load reads a header padded with NUL bytes, or with an entry nested 3000 deep; the
+    stored-head check's json.loads did not (JSONDecodeError, RecursionError: tracebacks)."""
     data = (tiny / "model.safetensors").read_bytes()
     length = int.from_bytes(data[:8], "little")
-    padded = (length + 8).to_bytes(8, "little") + data[8:8 + length] + b"\0" * 8 + data[8 + length:]
-    folder = copy(tiny, tmp_path / "m", model_safetensors=padded)
+    header = data[8:8 + length]
+    if change == "padded with NUL bytes":
+        header += b"\0" * 8
+    else:
+        header = header.replace(b'"model.norm.weight":{',
+                                b'"model.norm.weight":{"x":' + b"[" * 3000 + b"]" * 3000 + b",")
+    changed = len(header).to_bytes(8, "little") + header + data[8 + length:]
+    folder = copy(tiny, tmp_path / "m", model_safetensors=changed)
     with pytest.raises(li.UserError, match="whose header is not plain JSON"):
         li.load_model(folder, mx.float32)
 
@@ -196,7 +203,7 @@ def test_a_full_stdout(tiny, tmp_path):
     """Fix: writing to a full disk (/dev/full) raised OSError as a traceback."""
     rc, _, err = run_shell("> /dev/full", tiny, tmp_path)
     assert rc == 1 and "Traceback" not in err, err
-    assert err.splitlines()[-1] == "llm_inference.py: error: [Errno 28] No space left on device"
+    assert err.splitlines()[-1] == "llm_inference.py: error: cannot write the text: No space left on device"
 
 
 class Group:
