@@ -781,12 +781,14 @@ def print_top_probs(logits, tokenizer, n, file=None):
               f"{probs[token_id].item():.4f}", file=file)
 
 
-def trace(prompt_ids, weights, config, tokenizer):
+def trace(prompt_ids, weights, config, tokenizer, final=None):
     """--trace: one forward pass over the prompt, narrated. Block 0 step by step, with the shape
     of what each step makes; then, after each block, the size (RMS) of the residual stream and
-    its logit lens: the likeliest next token there, and the rank of the model's final pick."""
+    its logit lens: the likeliest next token there, and the rank of the model's final pick.
+    final: the model's own logits for the prompt, if the caller has computed them."""
     c, ids, cache = config, mx.array(prompt_ids), make_cache(config)
-    final = forward(ids, weights, config, make_cache(config))  # the model's own logits
+    if final is None:
+        final = forward(ids, weights, config, make_cache(config))
     pick = mx.argmax(final).item()
     piece = lambda token_id: shown(detokenize(tokenizer, [token_id]))
     shape = lambda a: f"{tuple(a.shape)} {str(a.dtype).split('.')[-1]}"
@@ -1912,8 +1914,9 @@ def main(argv=None):
     print(f"Prompt: {shown(shortened)} ({plural(len(prompt_ids), 'token')}), {how}",
           file=sys.stderr)
     if args.trace:
-        check_logits(forward(mx.array(prompt_ids), weights, config, make_cache(config)))
-        trace(prompt_ids, weights, config, tokenizer)
+        final = forward(mx.array(prompt_ids), weights, config, make_cache(config))
+        check_logits(final)  # before a table of NaN probabilities
+        trace(prompt_ids, weights, config, tokenizer, final)
         return 0
     printer = ReplyPrinter(tokenizer, args.hide_think)
     top_probs = args.top_probs and (lambda logits: print_top_probs(logits, tokenizer,
