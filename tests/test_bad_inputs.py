@@ -15,6 +15,7 @@ import pytest
 import llm_inference as li
 from tests.checkpoint import TINY_CONFIG
 from tests.test_cli import SCRIPT, assert_one_line_error, cli_env, parse_success, run_cli
+from tests.test_distributed import Group
 
 
 @pytest.fixture
@@ -204,19 +205,6 @@ def test_a_full_stdout(tiny, tmp_path):
     rc, _, err = run_shell("> /dev/full", tiny, tmp_path)
     assert rc == 1 and "Traceback" not in err, err
     assert err.splitlines()[-1] == "llm_inference.py: error: cannot write the text: No space left on device"
-
-
-class Group:
-    """A stand-in for mx.distributed.init()'s group: process `rank` of `size`."""
-
-    def __init__(self, size, rank=0):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 def test_prompt_from_stdin_is_refused_under_several_processes(tiny, monkeypatch):

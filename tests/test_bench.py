@@ -11,6 +11,7 @@ import pytest
 
 import bench
 import llm_inference as li
+from tests.test_bad_inputs import copy
 from tests.test_cli import SCRIPT, cli_env
 
 BENCH = SCRIPT.parent / "bench.py"
@@ -167,13 +168,6 @@ def bench_main(monkeypatch, *flags):
     return None
 
 
-def copy_of(folder, target, **replacements):
-    target.mkdir()
-    for path in folder.iterdir():
-        (target / path.name).write_bytes(replacements.get(path.name, path.read_bytes()))
-    return target
-
-
 def test_device_gpu_without_a_gpu(monkeypatch):
     """Fix: mx.set_default_device(mx.gpu) raised ValueError on a CPU-only MLX."""
     monkeypatch.setattr(mx, "is_available", lambda device: device != mx.gpu)
@@ -184,7 +178,7 @@ def test_device_gpu_without_a_gpu(monkeypatch):
 def test_a_damaged_tokenizer(tiny_folder, tmp_path, monkeypatch):
     """Fix: load_pair left tokenizer.json unchecked: {} gave KeyError. It now loads through
     llm_inference.load_model, whose checks give one line, in one process and with --distributed."""
-    folder = copy_of(tiny_folder, tmp_path / "m", **{"tokenizer.json": b"{}"})
+    folder = copy(tiny_folder, tmp_path / "m", tokenizer_json=b"{}")
     for flags in ([], ["--distributed"]):
         error = bench_main(monkeypatch, "--model", folder, "--primitives", *flags)
         assert error.startswith(f"bench.py: error: {folder / 'tokenizer.json'} cannot be loaded")
@@ -194,8 +188,8 @@ def test_quantize_on_a_quantized_folder(tiny_model, tmp_path, monkeypatch):
     """Fix: mlx-lm quantized the stored integers again: a ValueError in quantization_error. (The
     refusal reads config.json alone: its "quantization" entry says the folder is stored quantized.)"""
     config = json.loads((tiny_model / "config.json").read_text())
-    stored = json.dumps(config | {"quantization": {"group_size": 64, "bits": 4}}).encode()
-    folder = copy_of(tiny_model, tmp_path / "m", **{"config.json": stored})
+    folder = copy(tiny_model, tmp_path / "m",
+                  config_json=config | {"quantization": {"group_size": 64, "bits": 4}})
     for flags in (["--cache-lengths", 8], ["--distributed"]):
         error = bench_main(monkeypatch, "--model", folder, "--quantize", 8, *flags)
         assert error == f"bench.py: error: {folder} is already quantized to 4 bits: drop --quantize"

@@ -413,17 +413,20 @@ def test_a_line_that_is_not_utf8_is_skipped_in_one_line(tiny_model, tmp_path):
     assert [int(t[2]) for t in turn_lines(err)] == [1]  # "Hi" was answered
 
 
+class TerminalStdin(io.TextIOWrapper):
+    """A stdin that says it is a terminal: input() then reads it as a file, decoded as the
+    terminal's is."""
+
+    def isatty(self):
+        return True
+
+
 def test_on_a_terminal_a_line_that_is_not_utf8_is_skipped_in_one_line(reference, monkeypatch, capsys):
     """Fix: where the terminal's stdin decodes strictly (an en_US.UTF-8 locale), input() raised
-    UnicodeDecodeError for bytes that are not UTF-8, and the chat ended with a traceback. (A stdin
-    that says it is a terminal: input() then reads it as a file, decoded as the terminal's is.)"""
-
-    class Terminal(io.TextIOWrapper):
-        def isatty(self):
-            return True
+    UnicodeDecodeError for bytes that are not UTF-8, and the chat ended with a traceback."""
 
     chat = li.Chat(reference.weights, reference.config, reference.tokenizer)
-    monkeypatch.setattr(sys, "stdin", Terminal(io.BytesIO(b"caf\xe9\nHi\n"), errors="strict"))
+    monkeypatch.setattr(sys, "stdin", TerminalStdin(io.BytesIO(b"caf\xe9\nHi\n"), errors="strict"))
     li.chat_loop(chat, 2, li.Sampling(), reference.eos_ids, hide_think=False)
     # After the prompt `>>> `: a terminal would have echoed the typed line and its newline.
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
@@ -519,12 +522,8 @@ def test_on_a_terminal_with_stdout_redirected_the_prompts_go_to_stderr(reference
     """Fix: `--chat > replies.txt` typed on a terminal wrote input()'s `>>> ` into replies.txt, and
     the person typing saw no prompt."""
 
-    class Terminal(io.TextIOWrapper):
-        def isatty(self):
-            return True
-
     chat = li.Chat(reference.weights, reference.config, reference.tokenizer)
-    monkeypatch.setattr(sys, "stdin", Terminal(io.BytesIO(b'Hi\n"""\nTwo\nlines\n"""\n')))
+    monkeypatch.setattr(sys, "stdin", TerminalStdin(io.BytesIO(b'Hi\n"""\nTwo\nlines\n"""\n')))
     li.chat_loop(chat, 2, li.Sampling(), reference.eos_ids, hide_think=False)
     out, err = capsys.readouterr()
     assert ">>>" not in out and "..." not in out
