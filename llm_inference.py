@@ -1,7 +1,9 @@
 """How an LLM really generates text: Qwen3 from its released files, with MLX, in one file.
 
 Part 1, the model, is the first read: at the end of generate() you have seen all of it. Part 2
-goes further, in optional sections that build on Part 1. Part 3 is the program around it.
+goes further, in optional sections that build on Part 1. main(), at the end, wires them into the
+command `python llm_inference.py`. The program around it (checks of the model folder, the
+download, flags, terminal output, the chat loop) lives in cli.py, which you never need to read.
 
     "The capital of France is"
       1. load       config.json, model.safetensors, tokenizer.json
@@ -21,29 +23,25 @@ MLX is lazy: `y = x @ w` only records the operation in a graph; the arithmetic r
 is needed (`print(y)`, `y.item()`, `mx.eval(y)`). generate() (section 11) builds on that.
 """
 
-import ctypes
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
-# Linux CPUs only (Mac readers, skip this): OpenBLAS speeds up MLX's CPU build if loaded first.
-MLX_CPU_WHEEL = any(Path(folder, "mlx_cpu.libs").is_dir() for folder in sys.path)
-try:
-    OPENBLAS = (MLX_CPU_WHEEL and os.environ.get("LLM_INFERENCE_BLAS") != "0"
-                and "mlx.core" not in sys.modules
-                and bool(ctypes.CDLL("libopenblas.so.0", mode=ctypes.RTLD_GLOBAL)))
-except OSError:  # not installed: the command line says how to install it (Part 3, OpenBLAS)
-    OPENBLAS = False
-
+import cli  # the program around the model; first, as on a Linux CPU it loads OpenBLAS before MLX
 import mlx.core as mx
 from tokenizers import Tokenizer
 
 # ================================================================================================
 # PART 1: THE MODEL
 # ================================================================================================
+#
+# Plain functions, and exactly what `--reference-ops` runs. Part 2 has other versions of ten of
+# them, and main() swaps those in by name before loading the weights (Part 2's replace()):
+# load_tensor, linear and embed (quantized weights, section 16), rms_norm, apply_rope and attend
+# (fused kernels, 12), silu_gate (compilation, 13), sample (more sampling controls, 17), and
+# load_tensor, attention and swiglu (several machines, 20). Part 1 calls them by these names.
 
 # --- 1. Load: the hyper-parameters from config.json, the weights from *.safetensors ---------------
 
@@ -58,15 +56,15 @@ class Config(NamedTuple):  # what the model reads from config.json
     rope_theta: float  # 1e6: base of the rotary position frequencies
     rms_norm_eps: float  # 1e-6: keeps RMSNorm from dividing by zero
     tie_word_embeddings: bool  # True: the LM head reuses the embedding table
-    max_position_embeddings: int  # 40960: the longest sequence (prompt + reply) the config allows
+    max_position_embeddings: int  # 40960: the longest sequence (prompt + reply); main() checks it
 
 
 def load_config(model_dir):
-    """config.json's values as they are (JSON numbers and true/false); a missing one is None."""
+    """config.json's values, each as its type above (JSON's 1000000 for rope_theta as a float)."""
     raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     # transformers >= 5 writes rope_theta inside a "rope_parameters" dict.
     raw.setdefault("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
-    return Config(**{name: raw.get(name) for name in Config._fields})
+    return Config(**{name: kind(raw[name]) for name, kind in Config.__annotations__.items()})
 
 
 def layer_shapes(c):
@@ -144,7 +142,9 @@ def tokenize(tokenizer, text):
 
 
 def detokenize(tokenizer, token_ids):
-    """Ids -> text, special tokens included: the pieces' bytes joined; [12095] -> " Paris"."""
+    """Ids -> text, special tokens included: the pieces' bytes joined; [12095] -> " Paris". The chat
+    (section 18) and --trace use it; a streamed reply is printed through tokenizers' DecodeStream,
+    which holds back a character whose bytes are split across tokens until it is whole."""
     return tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
@@ -225,7 +225,9 @@ class KVCache:
 
     def __init__(self):
         self.keys = self.values = None  # (1, 8, capacity, 128), preallocated, written in place
-        self.offset = 0  # positions filled
+        # Positions filled. It advances when a step is recorded (update_and_fetch), not when MLX
+        # computes it: generate() records a step before the one it waits for has run.
+        self.offset = 0
 
     def update_and_fetch(self, k, v):
         """Store k, v (1, 8, seq, 128) at positions offset, offset+1, ...; return all so far."""
@@ -256,8 +258,8 @@ def attend(q, k, v):
     _, n_kv_heads, total, _ = k.shape
     scale = 1 / math.sqrt(head_dim)
     # Grouped-query attention by broadcasting: q viewed as (8 groups, 2 heads, ...) meets k, v
-    # viewed as (8, 1, ...), so each pair of query heads shares one K/V head, and no repeated
-    # copy of the keys and values is built.
+    # viewed as (8, 1, ...), so query head h uses key/value head h // 2 (heads 0 and 1 share K/V
+    # head 0), and no repeated copy of the keys and values is built.
     q = q.reshape(n_kv_heads, n_heads // n_kv_heads, seq, head_dim)  # (8, 2, seq, 128)
     k, v = k.reshape(n_kv_heads, 1, total, head_dim), v.reshape(n_kv_heads, 1, total, head_dim)
     scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total); scaling q is less work
@@ -365,7 +367,8 @@ def sample(logits, sampling, key):
 #     for _ in range(max_tokens):
 #         yield token.item()                 # wait for the GPU to compute the token
 #         token, logits = step(token[None])  # the GPU idles while Python records this step
-# Recording a step takes time too: for a small model on a fast GPU, about as long as running it.
+# Recording a step takes time too: for Qwen3-0.6B on an H200 GPU, 0.9-1.6 ms, against 2.5-4.8 ms
+# to run it (docs/performance.md); the GPU would idle for that long on every token.
 # So, MLX being lazy, step n+1 is recorded on token n before that is computed, and queued
 # (mx.async_eval); only then do we wait for token n.
 
@@ -405,14 +408,15 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 # ================================================================================================
 #
 # Some sections change how Part 1 runs: fused kernels (12), compilation (13), quantized matrices
-# (16) and several machines (20). Each replaces Part 1 functions by name, with replace(): Python
-# looks a global name up each time it is called, so after replace(rms_norm=fused_rms_norm) every
-# call of rms_norm() in Part 1 runs the kernel, and Part 1 reads as you read it. The command line
-# makes the replacements in one place, main(); with --reference-ops it runs Part 1 as written.
+# (16), more sampling controls (17) and several machines (20). Each replaces Part 1 functions by
+# name, with replace(): Python looks a global name up each time it is called, so after
+# replace(rms_norm=fused_rms_norm) every call of rms_norm() in Part 1 runs the kernel, and Part 1
+# reads as you read it. main() makes all the replacements, in one block; with --reference-ops it
+# leaves out the fused kernels and the compilation.
 
 def replace(**functions):
-    """From now on, calls by these names (Part 1's functions, or Part 3's) run the functions given.
-    A misspelt name would replace nothing: refused. Restarting Python undoes it all."""
+    """From now on, calls by these names (Part 1's functions) run the functions given. A misspelt
+    name would replace nothing: refused. Restarting Python undoes it all."""
     unknown = set(functions) - set(globals())
     if unknown:
         raise NameError(f"no function {', '.join(sorted(unknown))} to replace")
@@ -510,15 +514,18 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
 # or a CPU, for most models), fewer bytes per weight mean more tokens per second: Qwen3-8B reads
 # about 15 GB of bfloat16 weights per token, so 100 GB/s of memory caps it near 7 tokens a second;
 # at 4 bits, about 4.3 GB, near 23. Where the fixed cost of each operation limits it (a small model
-# on a big GPU), quantizing saves memory, not time. Memory it always saves.
+# on a big GPU) it gains less: on an H200, mlx-lm decoded the 0.6B shape at 226 tok/s in bfloat16
+# and 277 at 8 bits (docs/performance.md). Memory it always saves.
 #
 # Group-wise affine quantization (MLX's and mlx-lm's): each row of a matrix is cut into groups of
 # 64 consecutive weights. A group keeps one scale and one bias, in the weights' float type, and
 # 64 integers q from 0 to 2^bits - 1, chosen so that w ≈ scale * q + bias: 2^bits evenly spaced
-# levels covering the group's range, nudged so that 0 is exactly one of them. With 16-bit scales and
-# biases, a weight costs 4 + 2 x 16 / 64 = 4.5 bits at 4 bits instead of 16 (3.6x smaller; 8 bits:
-# 8.5, 1.9x smaller). The price is rounding: most weights move by at most half a level, and every
-# product moves with them (docs/performance.md measures how much on a layer).
+# levels covering the group's range, nudged so that 0 is one of them. Exactly so only with float32
+# scales and biases: rounded to bfloat16, as here, 0 stayed a level in 72% of a random matrix's
+# groups at 4 bits and 5% at 8. With 16-bit scales and biases, a weight costs 4 + 2 x 16 / 64 =
+# 4.5 bits at 4 bits instead of 16 (3.6x smaller; 8 bits: 8.5, 1.9x smaller). The price is
+# rounding: most weights move by at most half a level, and every product moves with them
+# (docs/performance.md measures how much on a layer).
 #
 # use_quantization() replaces three Part 1 functions: load_tensor() quantizes each matrix as it is
 # read (or takes it as stored quantized), linear() multiplies with mx.quantized_matmul, which
@@ -613,7 +620,8 @@ def filter_min_p(logits, min_p):
 
 def use_extra_sampling(min_p, presence_penalty, vocab_size):
     """Replaces sample() (section 10) with one that also applies min-p and the presence penalty.
-    It remembers the tokens it picked: call this again before each reply."""
+    It remembers the tokens it picked; returns new_reply(), which forgets them: call it before
+    each reply."""
     in_reply = mx.zeros(vocab_size)  # 1 for each token picked so far
 
     def sample_more(logits, sampling, key):
@@ -627,7 +635,12 @@ def use_extra_sampling(min_p, presence_penalty, vocab_size):
         in_reply = in_reply.at[token].maximum(1.0)  # a copy with in_reply[token] = 1
         return token
 
+    def new_reply():
+        nonlocal in_reply
+        in_reply = mx.zeros(vocab_size)
+
     replace(sample=sample_more)
+    return new_reply
 
 
 # --- 18. Chat: one KV cache for a whole conversation ----------------------------------------------
@@ -748,37 +761,10 @@ class Chat:
 # would say if it stopped there: with the real weights, watch in which block " Paris" takes the
 # lead. After the last block, the lens is the model's own output. --trace shows it at every block.
 
-import unicodedata  # for print_top_probs' column widths
-
-
 def logit_lens(x, weights, config):
     """The next-token logits (vocab,) read off the residual stream x (seq, 1024) at its last
     position, as forward() reads them after the last block."""
     return linear(rms_norm(x[-1:], weights["norm"], config.rms_norm_eps), weights["lm_head"])[0]
-
-
-def shown(text):
-    """A token or text in quotes, escapes as Python writes them, but emoji kept whole (their
-    zero-width joiners are no escape)."""
-    return repr(text).replace("\\u200d", "\u200d")
-
-
-def columns(text):
-    """The columns a terminal gives text: CJK characters take two, combining marks none."""
-    return sum(0 if unicodedata.category(ch) in ("Mn", "Me", "Cf")
-               else 2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
-
-
-def print_top_probs(logits, tokenizer, n, file=None):
-    """A table of the n likeliest next tokens and their probabilities (" Paris" first), on file
-    (sys.stderr as it is at the call)."""
-    file = file or sys.stderr
-    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-    print(f"{'rank':>4}  {'token':<16} {'id':>7}  probability", file=file)
-    for rank, token_id in enumerate(mx.argsort(-probs)[:min(n, probs.size)].tolist(), 1):
-        token = shown(detokenize(tokenizer, [token_id]))
-        print(f"{rank:>4}  {token}{' ' * (16 - columns(token))} {token_id:>7}  "
-              f"{probs[token_id].item():.4f}", file=file)
 
 
 def trace(prompt_ids, weights, config, tokenizer, final=None):
@@ -790,7 +776,7 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
     if final is None:
         final = forward(ids, weights, config, make_cache(config))
     pick = mx.argmax(final).item()
-    piece = lambda token_id: shown(detokenize(tokenizer, [token_id]))
+    piece = lambda token_id: cli.shown(detokenize(tokenizer, [token_id]))
     shape = lambda a: f"{tuple(a.shape)} {str(a.dtype).split('.')[-1]}"
     some = lambda items: " ".join(items[:16]) + (f" … ({len(items)})" if len(items) > 16 else "")
     print(f"tokens: {len(prompt_ids)} ids {some([str(i) for i in prompt_ids])}\n"
@@ -812,10 +798,12 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
              "the same through the cache; heads joined, projected by o_proj, added")
     n = rms_norm(h, layer["post_attention_layernorm"], eps)
     x = step("h + swiglu(rms_norm(h))", h + swiglu(n, layer), "feed-forward, added")
+    tied = weights["lm_head"] is weights["embed_tokens"]
     print(f"after each block: the residual stream's size (RMS) and its logit lens: the likeliest "
           f"next token if the model stopped there, and the rank there of {piece(pick)}, the final "
-          "pick. Early blocks often show the last prompt token: the stream still holds its "
-          "embedding, which the LM head, tied to the embeddings, reads back as that token.")
+          "pick." + (" Early blocks often show the last prompt token: the stream still holds its "
+                     "embedding, which the LM head, tied to the embeddings, reads back as that "
+                     "token." if tied else ""))
     for i, (layer, layer_cache) in enumerate(zip(weights["layers"], cache)):
         if i:
             x = transformer_block(x, layer, c, layer_cache)
@@ -825,7 +813,7 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
         print(f"block {i:>2} done: residual stream {shape(x)}, RMS {rms:.3f}, lens: {piece(top)} "
               f"{probs[top].item():.3f}, {piece(pick)} #{rank}")
     print(f"final RMSNorm + LM head -> logits {shape(final)}; the next token's probabilities:")
-    print_top_probs(final, tokenizer, 5, file=sys.stdout)
+    cli.print_top_probs(final, tokenizer, 5, file=sys.stdout)
 
 
 # --- 20. Several machines: one model split across processes (tensor parallelism) ------------------
@@ -833,21 +821,29 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 # A model larger than one Mac's memory can be split across several: Qwen3-32B takes about 65 GB in
 # bfloat16. mlx.launch starts one process per machine (or several on one, to learn), and
 # mx.distributed connects them: over TCP (the ring backend: Ethernet, or Thunderbolt as IP), RDMA
-# over Thunderbolt 5 (JACCL, macOS 26.2+) or NCCL between CUDA GPUs. Each of n processes keeps 1/n
-# of every block, and the split falls where the block needs no exchange:
+# over Thunderbolt 5 (JACCL, macOS 26.2+) or NCCL between CUDA GPUs. The processes form a *group*
+# of n; each knows its *rank*, its number in the group, 0 to n-1. all_sum(x) is the one exchange:
+# every process hands in an array of the same shape, and every one gets back their sum.
+#
+# Each process keeps 1/n of every block, and the split falls where the block needs no exchange.
+# A matrix product splits by its inner dimension: with two processes, cut the input h (seq, 2048)
+# into halves h₀ and h₁ of 1024 channels each, and W (1024, 2048) into the matching columns W₀ and
+# W₁. Then y = h Wᵀ = h₀W₀ᵀ + h₁W₁ᵀ: process 0 computes the first product, process 1 the second,
+# and an all_sum adds them up, on both. So:
 # - attention: each process keeps whole heads, 16/n query heads and 8/n key/value heads (rows of
-#   q_proj, k_proj, v_proj: (2048/n, 1024), (1024/n, 1024) each), so it attends on its own;
-#   its heads meet only in o_proj, whose matching columns (1024, 2048/n) it keeps. The products
-#   of n column blocks add up to the whole product: an all_sum of n (seq, 1024) partial outputs.
+#   q_proj, k_proj, v_proj: (2048/n, 1024), (1024/n, 1024) each), so it attends on its own: its
+#   heads are its h_rank. They meet only in o_proj, whose matching columns (1024, 2048/n) it
+#   keeps: an all_sum of n (seq, 1024) partial outputs.
 # - the feed-forward: each keeps 3072/n of the intermediate channels (rows of gate_proj and
 #   up_proj, columns of down_proj): silu_gate works channel by channel, so the same holds.
 # Two all_sums per block; everything else (embeddings, norms, the LM head, sampling) is whole and
 # identical on every process, so every process picks the same token. Per token that is 2 x 28
 # all_sums of 1024 numbers for Qwen3-0.6B, each a round trip over the link: its latency, not its
-# bandwidth, sets the cost (docs/performance.md measures it). RDMA's few microseconds make it pay;
-# TCP's tens to hundreds cost more than a Mac saves. Over plain Ethernet, pipeline parallelism is
-# the alternative: whole blocks per machine, one transfer per machine and token, but the machines
-# take turns on a single sequence: it adds memory, not speed.
+# bandwidth, sets the cost (docs/performance.md#several-processes). RDMA's few microseconds make
+# it pay; TCP's tens to hundreds cost more than a Mac saves. Over plain Ethernet, pipeline
+# parallelism is the alternative: whole blocks per machine, one transfer per machine and token,
+# but the machines take turns on a single sequence: it adds memory, not speed. main() makes the
+# split: split_config() for the shapes, use_tensor_parallelism() before the weights are loaded.
 
 SPLIT_ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # out channels: heads, units
 SPLIT_COLUMNS = ("o_proj", "down_proj")  # in channels: the same heads and units
@@ -896,1067 +892,80 @@ def use_tensor_parallelism(group):
 
 
 # ================================================================================================
-# PART 3: THE PROGRAM AROUND IT
+# MAIN: the wiring of `python llm_inference.py` (the program around it is in cli.py)
 # ================================================================================================
 
-import argparse  # the imports only the program needs
-import errno
-import re
-import shlex
-import signal
-import tempfile
-import time
-
-from tokenizers.decoders import DecodeStream
-
-HF_REPO = "Qwen/Qwen3-0.6B"
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-               "tokenizer_config.json")
-NEEDED_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # the other two are optional
-WEIGHTS_INDEX = "model.safetensors.index.json"  # stands in for model.safetensors when sharded
-
-
-class UserError(Exception):
-    """A mistake a person can fix (bad flag, missing file, ...): one line, no traceback."""
-
-
-class SharedError(UserError):
-    """A UserError every process of a group meets alike (section 20): process 0 alone says it."""
-
-
-def damaged(path, what):
-    return UserError(f"{path} {what}; re-download it")
-
-
-def read_json(path, fix="re-download it"):
-    """A JSON object from a file a person may have damaged or edited."""
-    try:
-        value = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror or e}")
-    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested too deep
-        raise UserError(f"{path} is not valid JSON ({e}); {fix}")
-    if not isinstance(value, dict):
-        raise UserError(f"{path} is not a JSON object; {fix}")
-    return value
-
-
-def is_number(value, kind=float):
-    """Whether a JSON value is a number of `kind` below 1e308 (float takes ints; true is none)."""
-    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
-        return False
-    return kind is int or abs(value) < 1e308  # not NaN, infinite, or an int too large (10**400)
-
-
-# --- Checking the model folder: everything Part 1's loaders assume, each failure one line ---------
-
-def check_config(model_dir):
-    """config.json, checked: (Config, its "quantization" entry, {} for weights stored as floats)."""
-    path = Path(model_dir) / "config.json"
-    raw = read_json(path)
-    found, rope = raw.get("model_type"), raw.get("rope_parameters") or {}
-    if not isinstance(rope, dict):
-        raise UserError(f"{path}: 'rope_parameters' should be an object, got {json.dumps(rope)}")
-    if found == "qwen3_moe":
-        raise UserError(f"{path} describes a mixture-of-experts model (model_type 'qwen3_moe'), "
-                        "which this script does not implement; use a dense Qwen3 model")
-    if found != "qwen3":
-        raise UserError(f"{path} is not a Qwen3 config (model_type is {found!r}, expected 'qwen3')")
-    for feature, asked in {  # variants Part 1 does not implement: refused, not run wrong
-        "RoPE scaling": raw.get("rope_scaling") or rope.get("rope_type", "default") != "default",
-        "attention bias (attention_bias: true)": raw.get("attention_bias"),
-        "sliding-window attention (use_sliding_window: true)": raw.get("use_sliding_window"),
-    }.items():
-        if asked:
-            raise UserError(f"{path} asks for {feature}, which this script does not implement")
-    config = load_config(model_dir)
-    kinds = {bool: "true or false", int: "a positive integer", float: "a positive number"}
-    for name, kind in Config.__annotations__.items():
-        value = getattr(config, name)
-        if value is None:
-            raise UserError(f"{path} lacks the required key {name!r}")
-        if not (isinstance(value, bool) if kind is bool else is_number(value, kind) and value > 0):
-            raise UserError(f"{path}: {name!r} should be {kinds[kind]}, got {json.dumps(value)}")
-    config = config._replace(rope_theta=float(config.rope_theta),  # 10**20 is an int in JSON
-                             rms_norm_eps=float(config.rms_norm_eps))
-    if config.head_dim % 2:  # RoPE turns pairs of channels (section 5)
-        raise UserError(f"{path}: 'head_dim' should be even, got {config.head_dim}")
-    if config.num_attention_heads % config.num_key_value_heads:  # whole groups (section 6)
-        raise UserError(f"{path}: 'num_attention_heads' ({config.num_attention_heads}) should be a "
-                        f"multiple of 'num_key_value_heads' ({config.num_key_value_heads})")
-    quantization, other = raw.get("quantization") or {}, raw.get("quantization_config")
-    if other and not quantization:  # how transformers describes GPTQ, AWQ, FP8, ...
-        raise UserError(f"{path}: the weights are quantized with "
-                        f"{other.get('quant_method') if isinstance(other, dict) else other!r}, "
-                        "which this script does not read; use an unquantized or an MLX-format "
-                        "(mlx_lm.convert) checkpoint")
-    if not isinstance(quantization, dict):
-        raise UserError(f"{path}: 'quantization' should be an object such as "
-                        f'{{"group_size": 64, "bits": 4}}, got {quantization!r}')
-    layers = {name: how for name, how in quantization.items() if isinstance(how, dict)}
-    for layer, how in ({"": quantization} | layers if quantization else {}).items():
-        mode, bits, group = how.get("mode", "affine"), how.get("bits"), how.get("group_size")
-        if (mode != "affine" or not is_number(bits, int) or bits not in (2, 3, 4, 5, 6, 8)
-                or not is_number(group, int) or group not in (32, 64, 128)):
-            raise UserError(f"{path} asks for {mode} quantization at {bits!r} bits in groups of "
-                            f"{group!r}{f' for {layer}' if layer else ''}; this script reads "
-                            "affine quantization at 2-6 or 8 bits in groups of 32, 64 or 128")
-    return config, quantization
-
-
-def tensor_shapes(c):
-    """Every tensor Part 1 loads, by its name in the checkpoint, with its shape."""
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-              "model.norm.weight": (c.hidden_size,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_hidden_layers):
-        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer_shapes(c).items()}
-    return shapes
-
-
-def checked_weight_files(model_dir):
-    """Part 1's weight_files(), with a damaged model.safetensors.index.json as one line."""
-    model_dir = Path(model_dir)
-    try:
-        files = weight_files(model_dir)
-    except OSError as e:
-        raise UserError(f"cannot read {model_dir / WEIGHTS_INDEX}: {e.strerror or e}")
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):  # not JSON, no map
-        files = []
-    # Plain names of safetensors files beside the index: "../x" would read outside the folder,
-    # and mx.load reads x.npz too.
-    if not files or any(path.parent != model_dir or path.suffix != ".safetensors"
-                        for path in files):
-        raise damaged(model_dir / WEIGHTS_INDEX, "is not a valid index of shards (a JSON object "
-                      "whose 'weight_map' names a file for each tensor)")
-    return files
-
-
-def check_weights(model_dir, config, quantization):
-    """Check that the weight files hold every tensor Part 1 needs, with its shape and a dtype it
-    reads, and none that config.json does not describe. mx.load reads only the files' headers
-    (it is lazy), and refuses a file that ends before its last tensor."""
-    files, tensors = checked_weight_files(model_dir), {}
-    try:
-        missing = [path.name for path in files if not path.exists()]
-    except OSError as e:  # a name too long, say
-        raise damaged(model_dir / WEIGHTS_INDEX, f"names a file that cannot be read ({e})")
-    if missing:
-        raise damaged(model_dir, f"lacks {missing[0]}, one of the {len(files)} shards named in "
-                      f"{WEIGHTS_INDEX} ({len(missing)} missing)")
-    for path in files:
-        if not path.is_file():
-            raise UserError(f"cannot read {path}: a directory or no file")
-        try:
-            tensors |= {name: (path, tensor) for name, tensor in mx.load(str(path)).items()}
-        except (RuntimeError, ValueError) as e:
-            raise damaged(path, f"is not a readable safetensors file ({e})")
-    where = files[0] if len(files) == 1 else f"the sharded checkpoint {model_dir}"
-    first = next(iter(layer_shapes(config)))
-    for i in range(config.num_hidden_layers):  # before listing 10**9 layers' tensors, say
-        if f"model.layers.{i}.{first}" not in tensors:
-            raise UserError(f"{where} lacks the tensor 'model.layers.{i}.{first}'")
-    floats = (mx.bfloat16, mx.float16, mx.float32)
-    expected = {name: (shape, floats) for name, shape in tensor_shapes(config).items()}
-    if "lm_head.weight" in tensors:  # a tied checkpoint's extra head may be used (load_model)
-        expected["lm_head.weight"] = ((config.vocab_size, config.hidden_size), floats)
-    for name, ((rows, *columns), _) in list(expected.items()):
-        stem = name.removesuffix(".weight")
-        if quantization and columns and f"{stem}.scales" in tensors:  # stored quantized (sec. 16)
-            how = quantization.get(stem)
-            how = how if isinstance(how, dict) else quantization
-            expected[name] = ((rows, columns[0] * how["bits"] // 32), (mx.uint32,))
-            for part in ("scales", "biases"):
-                expected[f"{stem}.{part}"] = ((rows, columns[0] // how["group_size"]), floats)
-    for name, (shape, dtypes) in expected.items():
-        if name not in tensors:
-            raise UserError(f"{where} lacks the tensor {name!r}")
-        path, tensor = tensors[name]
-        if tuple(tensor.shape) != shape:
-            raise UserError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                            f"{shape}")
-        if tensor.dtype not in dtypes:
-            name_of = lambda dtype: str(dtype).split(".")[-1]
-            raise UserError(f"{path}: tensor {name!r} is stored as {name_of(tensor.dtype)}, "
-                            f"expected {' or '.join(map(name_of, dtypes))}")
-    unexplained = [name for name in tensors if name not in expected]
-    if unexplained:
-        raise UserError(f"{where} holds {plural(len(unexplained), 'tensor')} that config.json "
-                        f"does not describe, such as {unexplained[0]!r}: config.json "
-                        f"(num_hidden_layers {config.num_hidden_layers}, ...) does not match them")
-
-
-def stored_head_differs(model_dir):
-    """A checkpoint whose config ties the LM head to the embeddings may store lm_head.weight too: a
-    copy (Qwen3-0.6B's), or a different matrix, which transformers 5 uses, and so do we (mlx-lm
-    drops it). A different matrix differs in nearly every row, so 64 rows spread over both, read
-    straight from the files, tell them apart without reading 2 x 311 MB on every run. (A
-    safetensors file starts with a length, then that much JSON: name -> dtype, shape, bytes.)"""
-    entries = {}
-    for path in weight_files(model_dir):
-        with path.open("rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            entries |= {name: (path, 8 + length, entry)
-                        for name, entry in json.loads(f.read(length)).items()}
-
-    def rows(path, start, entry):
-        (begin, end), n_rows = entry["data_offsets"], entry["shape"][0]
-        with path.open("rb") as f:
-            for i in range(0, n_rows, max(1, n_rows // 64)):
-                f.seek(start + begin + i * ((end - begin) // n_rows))
-                yield f.read((end - begin) // n_rows)
-
-    head, table = entries.get("lm_head.weight"), entries["model.embed_tokens.weight"]
-    if head is None:
-        return False
-    alike = (head[2]["dtype"], head[2]["shape"]) == (table[2]["dtype"], table[2]["shape"])
-    return not alike or list(rows(*head)) != list(rows(*table))
-
-
-def check_chat_template(model_dir):
-    """--chat writes Qwen3's hybrid-thinking format (section 18). Qwen3-2507 Instruct and Thinking
-    were trained on others: their templates lack its enable_thinking switch."""
-    path = Path(model_dir) / "chat_template.jinja"  # newer checkpoints keep it in its own file
-    try:
-        template = path.read_text(encoding="utf-8") if path.is_file() else None
-    except (OSError, ValueError) as e:
-        raise damaged(path, f"cannot be read ({e})")
-    if template is None:
-        path = Path(model_dir) / "tokenizer_config.json"
-        template = read_json(path).get("chat_template") if path.is_file() else None
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        template = [t.get("template") for t in template
-                    if isinstance(t, dict) and t.get("name") == "default"]
-    if template and "enable_thinking" not in str(template):  # no template: given the benefit
-        raise UserError(f"{path} holds a chat template other than Qwen3's hybrid-thinking one that "
-                        "--chat writes (a Qwen3-2507 model?); run it without --chat")
-
-
-# --- Memory: will the weights fit? ----------------------------------------------------------------
-
-def weight_bytes(config, dtype, bits=None, group_size=GROUP_SIZE, stored=None):
-    """The bytes Part 1's weights take once loaded (a tied head shares the embedding's). Quantized
-    (section 16), a matrix takes `bits` per weight plus a scale and a bias per group; stored:
-    config.json's "quantization", whose settings for a matrix (mixed precision) win."""
-    total = 0
-    for name, shape in tensor_shapes(config).items():
-        n, how = math.prod(shape), (stored or {}).get(name.removesuffix(".weight"))
-        b, g = (how["bits"], how["group_size"]) if isinstance(how, dict) else (bits, group_size)
-        b = None if how is False else b  # a layer stored unquantized
-        quantized = b and quantizable(shape, g)
-        total += n * b // 8 + 2 * n // g * dtype.size if quantized else n * dtype.size
-    return total
-
-
-def memory_size():
-    """A GPU's memory as MLX reports it (a Mac's unified memory, a CUDA card's); else the RAM."""
-    info = mx.device_info() if mx.default_device() == mx.gpu else {}
-    size = info.get("memory_size") or info.get("total_memory")  # Metal's key, CUDA's key
-    return size or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def gpu_working_set():
-    """On a Mac, the memory Metal recommends its GPU use at most (2/3 to 3/4 of it): beyond, the
-    weights are paged in and out on every token. None elsewhere (CUDA and the CPU have no such)."""
-    if mx.default_device() == mx.gpu:
-        return mx.device_info().get("max_recommended_working_set_size")
-
-
-def check_memory(needed, available, dtype, working_set=None):
-    """Refuse weights larger than the memory, or on a Mac than the GPU's working set, before
-    reading gigabytes only to crash or swap. Smaller ones run: the OS can usually make room."""
-    if working_set and needed > working_set:
-        has = (f"this Mac's GPU may use only {working_set / 1e9:.1f} GB of its "
-               f"{available / 1e9:.1f} GB of memory (Metal's recommended working set)")
-    elif needed > available:
-        has = f"this machine has {available / 1e9:.1f} GB of memory"
-    else:
-        return
-    smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
-    raise UserError(f"the weights need {needed / 1e9:.1f} GB as {str(dtype).split('.')[-1]}, but "
-                    f"{has}; try {smaller}--quantize 4, or a smaller model")
-
-
-def wire_weights(weights):
-    """On a Mac, keep weights that fill more than half the GPU's working set resident ("wired"),
-    as mlx-lm does: every token reads all of them. Set once, before anything is queued (MLX asks
-    that the limit not change while work is queued)."""
-    from mlx.utils import tree_flatten  # only this Mac step needs it
-
-    arrays = {id(a): a for _, a in tree_flatten(weights) if isinstance(a, mx.array)}  # tied: once
-    working_set = gpu_working_set()
-    if working_set and sum(a.nbytes for a in arrays.values()) > working_set / 2:
-        mx.set_wired_limit(working_set)
-
-
-# --- Loading: the checks, then Part 1's loaders ---------------------------------------------------
-
-# The lowest temperature besides 0. Lower, sampling is greedy in all but name (a logit gap of 0.01
-# becomes 100), and far lower (1e-45) logits / temperature overflow to inf: the draw gives token 0.
-MIN_TEMPERATURE = 1e-4
-
-# Settings from generation_config.json (or a flag): the test each value passes, what it should be.
-SETTINGS = {
-    "temperature": (lambda t: is_number(t) and (t == 0 or t >= MIN_TEMPERATURE),
-                    f"0 (greedy) or at least {MIN_TEMPERATURE}"),
-    "top_k": (lambda k: is_number(k, int) and k >= 0, "an integer >= 0 (0 = off)"),
-    "top_p": (lambda p: is_number(p) and 0 < p <= 1, "a number in (0, 1]"),
-    "min_p": (lambda p: is_number(p) and 0 <= p <= 1, "a number in [0, 1]"),
-    "eos_token_id": (lambda ids: all(is_number(i, int) and i >= 0 for i in
-                                     (ids if isinstance(ids, list) else [ids])),
-                     "a token id (an integer >= 0) or a list of them"),
-}
-
-
-def load_generation_config(model_dir):
-    """generation_config.json (optional): end-of-sequence ids, Qwen's recommended sampling."""
-    path = Path(model_dir) / "generation_config.json"
-    values = read_json(path, "delete or re-download it") if path.exists() else {}
-    values = {key: value for key, value in values.items() if value is not None}  # null: unset
-    for key, (fits, expected) in SETTINGS.items():
-        if key in values and not fits(values[key]):
-            raise UserError(f"{path}: {key!r} should be {expected}, got "
-                            f"{json.dumps(values[key])}; fix it or delete the file")
-    return values
-
-
-def eos_token_ids(generation_config, tokenizer):
-    """Ids that end a reply: <|im_end|> (151645) ends a chat turn, <|endoftext|> (151643) a text."""
-    ids = generation_config.get("eos_token_id", [])
-    ids = set(ids if isinstance(ids, list) else [ids])
-    return ids | {tokenizer.token_to_id(token) for token in ("<|im_end|>", "<|endoftext|>")
-                  if tokenizer.token_to_id(token) is not None}
-
-
-def load_model(model_dir, dtype, bits=None, group=None):
-    """Part 1's loaders, after checking what they assume. bits (--quantize) makes section 16's
-    replacements; a group of several processes section 20's, and each loads its share.
-    Returns (config, weights, tokenizer, generation config); config is this process's share."""
-    config, stored = check_config(model_dir)
-    if bits and stored.get("bits") and bits != stored["bits"]:
-        raise UserError(f"{model_dir} is already quantized to {stored['bits']} bits; drop "
-                        "--quantize or point --model at the unquantized model")
-    check_weights(model_dir, config, stored)  # first: the sizes come from config.json
-    n = group.size() if group else 1
-    # Quantized, each process's columns must hold whole groups (of the largest size: 128, say).
-    sizes = [how.get("group_size", 0) for how in (stored, *stored.values())
-             if isinstance(how, dict)]
-    group_size = GROUP_SIZE if bits else max(sizes)
-    if n > 1 and not can_split(config, n, group_size):
-        counts = [str(k) for k in range(1, config.num_key_value_heads + 1)
-                  if can_split(config, k, group_size)]
-        raise SharedError(f"{model_dir} cannot be split over {n} processes (whole heads and "
-                        f"quantization groups): use {', '.join(counts)}")
-    try:
-        own_head = config.tie_word_embeddings and stored_head_differs(model_dir)  # loaded too
-    except (ValueError, RecursionError) as e:  # a header mx.load reads but json does not
-        raise damaged(model_dir, f"holds a weight file whose header is not plain JSON ({e})")
-    shares = split_config(config, n)._replace(  # a tied head stored apart is loaded too
-        tie_word_embeddings=config.tie_word_embeddings and not own_head)
-    check_memory(weight_bytes(shares, dtype, bits or stored.get("bits"),
-                              stored.get("group_size", GROUP_SIZE), stored),
-                 memory_size(), dtype, gpu_working_set())
-    path = Path(model_dir) / "tokenizer.json"
-    try:
-        tokenizer = load_tokenizer(model_dir)
-    except Exception as e:  # the Rust library raises a plain Exception for any unreadable file
-        raise damaged(path, f"cannot be loaded ({e})")
-    tokenizer.no_truncation()  # a tokenizer.json may ask to cut or pad every text: not a prompt
-    tokenizer.no_padding()
-    n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
-    if n_tokens > config.vocab_size:  # its ids would pick rows the embedding table lacks
-        raise UserError(f"{path} has {n_tokens} tokens, but the embedding table has only "
-                        f"{config.vocab_size} rows (vocab_size): not one model's files")
-    generation_config = load_generation_config(model_dir)
-    if bits or stored:
-        use_quantization(bits, stored)
-    if n > 1:
-        use_tensor_parallelism(group)
-    try:
-        weights = load_weights(model_dir, config, dtype)
-        if config.tie_word_embeddings and own_head:
-            weights["lm_head"] = load_tensor(load_tensors(model_dir), "lm_head.weight", dtype)
-    except (RuntimeError, ValueError, OSError) as e:  # e.g. a read error halfway through a file
-        raise damaged(model_dir, f"holds a damaged weight file ({e})")
-    return split_config(config, n), weights, tokenizer, generation_config
-
-
-# --- Finding the model: a folder, or a Hugging Face repo id downloaded once into a folder ---------
-
-def repo_id(text):
-    """'owner/name' as Hugging Face spells repo ids, also pasted as a huggingface.co address or
-    with a trailing slash; None for anything else."""
-    address = re.match(r"https?://(?:www\.)?huggingface\.co/([^/?#]+/[^/?#]+)", text)
-    text = address.group(1) if address else text.rstrip("/")
-    return text if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", text) else None
-
-
-def download_command(repo, model_dir):
-    """The `hf download` command to print. Its --local-dir is relative, so that it works on another
-    machine too: to the current folder when model_dir is under it, else to this script's (cd)."""
-    files = f" {' '.join(MODEL_FILES)}" if repo == HF_REPO else ""
-    model_dir, here = Path(model_dir).absolute(), Path.cwd()
-    script_dir, cd = Path(__file__).resolve().parent, ""
-    if model_dir.is_relative_to(here):
-        model_dir = model_dir.relative_to(here)
-    elif model_dir.is_relative_to(script_dir):  # repo ids' and the default folder are there
-        cd, model_dir = f"cd {shlex.quote(str(script_dir))} && ", model_dir.relative_to(script_dir)
-    return f"{cd}hf download {repo}{files} --local-dir {shlex.quote(str(model_dir))}"
-
-
-def missing_files(names):
-    """The NEEDED_FILES not among these file names; a sharded checkpoint's index stands in for
-    model.safetensors (check_weights then checks its shards)."""
-    return [name for name in NEEDED_FILES if name not in names
-            and not (name == "model.safetensors" and WEIGHTS_INDEX in names)]
-
-
-def download_model(repo, model_dir):
-    """Fetch the files Part 1 reads from a Hugging Face repo into model_dir. huggingface_hub writes
-    each file under a temporary name and renames it once complete. The weights come last, an index
-    after its shards: a folder cut off midway never looks complete, and the next run fetches what
-    is missing."""
-    import huggingface_hub as hub  # only needed here, on the first run
-
-    sizes = {s.rfilename: s.size or 0
-             for s in hub.HfApi().model_info(repo, files_metadata=True).siblings}
-    if missing_files(sizes):
-        raise UserError(f"{repo} has no {', '.join(missing_files(sizes))}: it is not a Qwen3 "
-                        "checkpoint in Hugging Face's safetensors layout")
-    sharded = "model.safetensors" not in sizes
-    with tempfile.TemporaryDirectory() as first:  # refuse a model we cannot run before gigabytes
-        for name in ["config.json"] + [WEIGHTS_INDEX] * sharded:
-            hub.hf_hub_download(repo, name, local_dir=first)
-        try:
-            check_config(first)
-            weights = ([path.name for path in checked_weight_files(first)] + [WEIGHTS_INDEX]
-                       if sharded else ["model.safetensors"])
-        except UserError as e:  # name the repo, not the temporary folder
-            raise UserError(str(e).replace(str(Path(first)), repo))
-    names = [name for name in (*MODEL_FILES, "chat_template.jinja") if name in sizes
-             and name != "model.safetensors"] + weights
-    print(f"Downloading {repo} ({len(names)} files, "
-          f"{sum(sizes.get(name, 0) for name in names) / 1e9:.2f} GB) into {model_dir}/",
-          file=sys.stderr)
-    for name in names:
-        hub.hf_hub_download(repo, name, local_dir=model_dir)
-
-
-def find_model(model_arg, allow_download):
-    """The model folder. --model is a folder when that path exists or is no repo id, and is never
-    downloaded into (it may hold another model). A repo id (default: Qwen/Qwen3-0.6B, in
-    ./Qwen3-0.6B if present) is downloaded into its folder next to this script when incomplete."""
-    repo, script_dir = repo_id(model_arg or HF_REPO), Path(__file__).resolve().parent
-    try:
-        if model_arg and Path(model_arg).exists() and (
-                repo is None or Path(model_arg).resolve() != script_dir / repo):  # no download
-            repo = None
-        if repo is None:
-            model_dir = Path(model_arg)
-        elif model_arg:
-            model_dir = script_dir / repo
-        else:  # ./Qwen3-0.6B when present, else the one next to this script
-            model_dir = Path("Qwen3-0.6B")
-            model_dir = model_dir if model_dir.is_dir() else script_dir / model_dir
-        # Names, not files: a directory in a file's place is reported as unreadable when read.
-        names = {p.name for p in model_dir.iterdir()} if model_dir.is_dir() else ()
-    except OSError as e:  # a name too long, a folder without permission, ...
-        raise UserError(f"cannot read the model folder {model_arg or 'Qwen3-0.6B'}: "
-                        f"{e.strerror or e}")
-    missing = missing_files(names)
-    if not missing:
-        return model_dir
-    what = (f"{model_dir} lacks {', '.join(missing)}" if model_dir.is_dir() else
-            f"{model_dir} is a file, not a model folder" if model_dir.exists() else
-            f"model folder {model_dir} not found")
-    if repo is None:
-        raise UserError(f"{what}; point --model at a folder with {', '.join(NEEDED_FILES)} "
-                        f"(or {WEIGHTS_INDEX} and its shards), or at a repo id such as "
-                        "Qwen/Qwen3-1.7B")
-    if not allow_download:
-        raise UserError(f"{what} and --no-download was given; "
-                        f"fetch it with: {download_command(repo, model_dir)}")
-    try:
-        download_model(repo, model_dir)
-    except UserError as e:
-        raise UserError(f"{what}, and {e}")
-    except Exception as e:  # offline, no such repo, a network error midway, a full disk ...
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{what}, and could not download {repo} ({type(e).__name__}: {reason}); "
-                        "run again to resume, or fetch it with: "
-                        f"{download_command(repo, model_dir)}")
-    return model_dir
-
-
-# --- OpenBLAS: the lines before `import mlx.core` at the top of the file, and the dtype -----------
-#
-# MLX's Linux CPU wheel (the mlx-cpu package, with its libraries in mlx_cpu.libs/) does float32
-# matrix products by calling cblas_sgemm from a bundled reference BLAS: plain loops, many times
-# slower than OpenBLAS on a whole prompt (docs/platforms.md). A library opened with RTLD_GLOBAL
-# before MLX loads comes first when the dynamic linker resolves MLX's symbols, so loading OpenBLAS
-# that way sends those calls to it; loaded after MLX it is never used.
-OPENBLAS_HINT = ("Hint: this CPU runs float32 faster with OpenBLAS, which this script uses once "
-                 "installed: sudo apt-get install libopenblas0-pthread")
-
-
-def pick_dtype(name):
-    """'auto' = bfloat16 on a GPU; float32 on the CPU, where MLX runs bfloat16 products through
-    its own slower loops, with or without OpenBLAS (docs/platforms.md)."""
-    if name == "auto":
-        return mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
-    return getattr(mx, name)
-
-
-# --- The command line: python llm_inference.py --prompt "..." [flags] -----------------------------
-
-DEFAULT_PROMPT = "The capital of France is"
-MAX_TOKENS, CHAT_MAX_TOKENS = 100, 8192  # 8192: enough to finish thinking, mostly (README, Chat)
-# Qwen's recommended sampling (model card); in thinking mode generation_config.json's win.
-QWEN3_THINKING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
-QWEN3_NO_THINK = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
-# What transformers' generate() falls back on for a value generation_config.json lacks.
-TRANSFORMERS_DEFAULTS = {"top_p": 1.0, "top_k": 50, "min_p": 0.0}
-
-
-def as_text(data, what):
-    """Text as a text editor reads it: UTF-8 without a byte-order mark, with Windows (CRLF) and
-    old Mac (CR) line ends as newlines. A str from the command line that was not UTF-8 (cut
-    mid-character?) holds lone surrogates, which os.fsencode turns back into its bytes."""
-    try:
-        text = (os.fsencode(data) if isinstance(data, str) else data).decode("utf-8-sig")
-    except UnicodeDecodeError:
-        raise UserError(f"{what} is not valid UTF-8 text (cut in the middle of a character?)")
-    return text.replace("\r\n", "\n").replace("\r", "\n")
-
-
-def read_prompt(text):
-    if text == "-":  # read the prompt from stdin
-        if sys.stdin.isatty():
-            print("Reading the prompt from the terminal; end it with Ctrl-D.", file=sys.stderr)
-        text = as_text(sys.stdin.buffer.read(), "the prompt on stdin").removesuffix("\n")  # echo's
-    text = as_text(text, "--prompt")
-    if not text.strip():
-        raise UserError("the prompt is empty; pass some text with --prompt")
-    return text
-
-
-def number(kind, low=None, high=None, low_open=False, rule=None):
-    """An argparse type: a number of `kind` in [low, high] (or (low, high]), that passes
-    SETTINGS[rule] if given."""
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            expected = "an integer" if kind is int else "a number"
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        if not math.isfinite(value):  # float("nan") parses, and compares False with every bound
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-        too_low = low is not None and (value <= low if low_open else value < low)
-        if too_low or (high is not None and value > high):
-            bounds = f"{'(' if low_open else '['}{low}, {'inf)' if high is None else f'{high}]'}"
-            raise argparse.ArgumentTypeError(f"must be in {bounds}, got {text}")
-        if rule and not SETTINGS[rule][0](value):
-            raise argparse.ArgumentTypeError(f"must be {SETTINGS[rule][1]}, got {text}")
-        return value
-    return parse
-
-
-def model_name(text):
-    """An argparse type for --model. An empty one (a shell variable never set?) would otherwise
-    mean the default model, and a 1.5 GB download."""
-    if not text:
-        raise argparse.ArgumentTypeError(f"is empty; give a model folder, or a repo id such as "
-                                         f"{HF_REPO}")
-    return text
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage block; exit code 2 as usual
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def parse_args(argv):
-    ap = ArgumentParser(prog="llm_inference.py", description="Generate text with Qwen3 on MLX.")
-    add = ap.add_argument
-    add("--prompt", help=f"the text to continue ('-' reads stdin; default: {DEFAULT_PROMPT!r}); "
-        "with --chat, one message and its reply")
-    add("--max-tokens", type=number(int, 1), help=f"stop after this many new tokens ({MAX_TOKENS}; "
-        f"{CHAT_MAX_TOKENS} with --chat; at most half the context)")
-    add("--temperature", type=number(float, 0, rule="temperature"),
-        help="0 = greedy (default; with --chat 0.6, or 0.7 with --no-think)")
-    add("--top-p", type=number(float, 0, 1, low_open=True),
-        help="nucleus sampling mass (generation_config.json's; 0.8 with --no-think)")
-    add("--top-k", type=number(int, 0),
-        help="keep only the k most likely tokens, 0 = all (generation_config.json's)")
-    add("--min-p", type=number(float, 0, 1),
-        help="keep tokens at least this fraction as likely as the likeliest (0)")
-    add("--presence-penalty", type=number(float, 0, 2),
-        help="lower the logit of tokens already in the reply, against repetition (0)")
-    add("--seed", type=number(int, 0, 2**64 - 1), help="random seed for sampling (default: fresh)")
-    add("--model", type=model_name, help="a model folder, or a Hugging Face repo id such as "
-        "Qwen/Qwen3-1.7B, downloaded once into the folder Qwen/Qwen3-1.7B next to this script "
-        "(default: ./Qwen3-0.6B, else the one next to this script)")
-    add("--no-download", action="store_true", help="never download the model, fail instead")
-    add("--chat", action="store_true", help="talk with the model in Qwen3's chat format")
-    add("--system", help="system message for --chat")
-    add("--no-think", action="store_true", help="with --chat: skip Qwen3's <think> reasoning")
-    add("--hide-think", action="store_true",
-        help="with --chat: show a progress line instead of the reasoning")
-    add("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-        help="auto = bfloat16 on a GPU, float32 on the CPU. M1/M2 Macs have no bfloat16 "
-        "arithmetic: float16 runs faster there (29 vs 19 tok/s on an M2 Ultra), but Qwen3 can "
-        "overflow it. On CUDA and M5 Macs, MLX multiplies float32 with TF32 (less precise) "
-        "unless MLX_ENABLE_TF32=0 is set")
-    add("--quantize", type=int, choices=[4, 8], metavar="{4,8}",
-        help="store the weights in 4 or 8 bits, as mlx_lm.convert does: less memory")
-    lab = ap.add_argument_group("experiments (README, Experiments)").add_argument
-    lab("--top-probs", type=number(int, 1), metavar="N",
-        help="print the N likeliest first tokens and their probabilities")
-    lab("--trace", action="store_true",
-        help="narrate one forward pass over the prompt (shapes, sizes, logit lens); no reply")
-    lab("--no-cache", action="store_true",
-        help="recompute the whole sequence at every step, without the KV cache")
-    lab("--no-compile", action="store_true",
-        help="run silu_gate uncompiled (section 13), so print() works inside it")
-    lab("--reference-ops", action="store_true",
-        help="run Part 1 as written: no fused kernels (section 12), no compilation")
-    args = ap.parse_args(argv)
-    if (args.system is not None or args.no_think or args.hide_think) and not args.chat:
-        ap.error("--system, --no-think and --hide-think only apply with --chat")
-    for flag, given in (("--top-probs", args.top_probs), ("--trace", args.trace),
-                        ("--no-cache", args.no_cache)):
-        if given and args.chat and args.prompt is None:
-            ap.error(f"{flag} needs a single message: add --prompt to --chat")
-        if given and args.trace and flag != "--trace":  # the trace makes no reply
-            ap.error(f"{flag} does not apply to --trace, which runs one forward pass and ends "
-                     "with the 5 likeliest tokens")
-    return args
-
-
-def sampling_settings(args, generation_config):
-    """(Sampling, min_p, presence penalty). Flags win. --chat then takes Qwen's recommendations:
-    generation_config.json's in thinking mode, the model card's for --no-think. Completion is
-    greedy unless --temperature is given; top-k/p and min-p then come from the file (as in
-    transformers)."""
-    if args.chat and args.no_think:
-        recommended = QWEN3_NO_THINK
-    elif args.chat:
-        recommended = QWEN3_THINKING | generation_config
-    else:
-        recommended = TRANSFORMERS_DEFAULTS | generation_config | {"temperature": 0.0}
-    given = lambda flag, name: flag if flag is not None else recommended[name]
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    sampling = Sampling(float(given(args.temperature, "temperature")),
-                        int(given(args.top_k, "top_k")), float(given(args.top_p, "top_p")), seed)
-    return sampling, float(given(args.min_p, "min_p")), args.presence_penalty or 0.0
-
-
-def describe(sampling, min_p, presence_penalty):
-    """The sampling settings in the order they apply."""
-    s = sampling
-    how = f"presence penalty {presence_penalty}, " if presence_penalty else ""
-    if s.temperature == 0:
-        return how + "greedy"
-    how += f"temperature {s.temperature}, top-k {s.top_k or 'off'}, top-p {s.top_p}"
-    return how + (f", min-p {min_p}" if min_p else "") + f", seed {s.seed}"
-
-
-# --- Showing a reply, and the chat loop -----------------------------------------------------------
-
-def plural(n, word):
-    return f"{n} {word}{'' if n == 1 else 's'}"
-
-
-def rate(n, seconds):
-    """', 12.3 tok/s', or nothing when no token was timed (a decode rate counts the tokens after
-    the first: one token gives none)."""
-    return f", {n / seconds:.1f} tok/s" if n > 0 and seconds > 0 else ""
-
-
-class ReplyPrinter:
-    """Writes a reply to stdout as its tokens arrive. On a terminal, Qwen3's <think>...</think>
-    reasoning is dimmed; hide_think shows a "thinking... (N tokens)" line instead, on stderr.
-    In a pipe or a file the text is written as it is, without colour codes."""
-
-    DIM, PLAIN = "\x1b[2m", "\x1b[0m"
-
-    def __init__(self, tokenizer, hide_think):
-        self.tokenizer, self.hide_think = tokenizer, hide_think
-        self.think_ids = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
-        self.colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ  # no-color.org
-        self.progress = hide_think and sys.stderr.isatty()
-        # DecodeStream holds back the bytes of a character split across tokens (emoji, CJK) until
-        # it is complete: nothing prints as garbage.
-        self.stream = DecodeStream(skip_special_tokens=True)
-        self.thinking, self.n_thinking, self.n_tokens = False, 0, 0
-        self.answer_started = False  # for hide_think: the newlines after </think> are dropped
-
-    def add(self, token_id):
-        self.n_tokens += 1
-        piece = self.stream.step(self.tokenizer, token_id) or ""
-        if token_id == self.think_ids[self.thinking]:  # <think> opens, </think> closes
-            self.thinking = not self.thinking
-            self.show_progress(clear=True)
-            piece = "" if self.hide_think else piece
-            if self.colour and not self.hide_think:
-                piece = self.DIM + piece if self.thinking else piece + self.PLAIN
-        elif self.thinking:
-            self.n_thinking += 1
-            piece = "" if self.hide_think else piece
-            self.show_progress()
-        elif self.hide_think and not self.answer_started:
-            piece = piece.lstrip("\n")
-            self.answer_started = bool(piece)
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-
-    def show_progress(self, clear=False):
-        if self.progress and self.n_thinking:
-            sys.stderr.write("\r\x1b[K" if clear else f"\rthinking… ({self.n_thinking} tokens)")
-            sys.stderr.flush()
-
-    def finish(self):
-        """End the reply's line, restoring the colour if it stopped while thinking."""
-        if self.thinking:
-            self.show_progress(clear=True)
-            sys.stdout.write(self.PLAIN if self.colour and not self.hide_think else "")
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-
-
-def check_logits(logits):
-    """Refuse logits that are NaN or infinite, before they are shown as text or probabilities."""
-    if not mx.all(mx.isfinite(logits)).item():
-        raise UserError("the model computed NaN or infinite logits: its activations overflowed "
-                        "(float16 can, with Qwen3: try --dtype bfloat16 or float32), or the "
-                        "weights hold NaN (re-download them)")
-
-
-def stream(tokens, printer, on_first_logits=None):
-    """Print (token id, logits) pairs as they are generated, until the end or Ctrl-C. Returns
-    (interrupted, seconds to the first token: the prefill, seconds for the rest: the decode)."""
-    start = first = time.perf_counter()
-    interrupted = False
-    try:
-        for token_id, logits in tokens:
-            if printer.n_tokens == 0:
-                first = time.perf_counter()
-                check_logits(logits)  # once: no cost per token
-                if on_first_logits:
-                    on_first_logits(logits)
-            printer.add(token_id)  # <|im_end|> prints nothing
-    except KeyboardInterrupt:
-        interrupted = True
-        # generate() queues the next step before yielding a token: let it finish before the program
-        # exits or goes on (quitting with GPU work queued has crashed other MLX programs).
-        mx.synchronize()
-    finally:
-        tokens.close()  # for Chat.reply: the (partial) reply joins the history now
-    end = time.perf_counter()
-    printer.finish()
-    return interrupted, first - start, end - first
-
-
-CHAT_HELP = ('/reset (or /clear) starts over; /exit (/quit, /bye, Ctrl-D) ends; /help shows this; '
-             'Ctrl-C stops a reply; """ on a line of its own starts and ends a message of several '
-             'lines')
-COMMANDS = {"/exit": "exit", "/quit": "exit", "/bye": "exit", "/reset": "reset",
-            "/clear": "reset", "/help": "help", "/?": "help"}
-
-
-def read_line(interactive, prompt):
-    """A line of input, None at its end. On a terminal, input() has line editing and history
-    (readline, imported by chat_loop)."""
-    if interactive:
-        if not sys.stdout.isatty():  # input() would write the prompt among the replies
-            print(prompt, end="", file=sys.stderr, flush=True)
-            prompt = ""
-        try:
-            return as_text(input(prompt), "the message")
-        except EOFError:  # Ctrl-D
-            print(file=sys.stderr)
-            return None
-    line = sys.stdin.buffer.readline()
-    return as_text(line, "the message").removesuffix("\n") if line else None
-
-
-def read_message(interactive):
-    """The next message, None at the end of input: a line, or the lines between two lines of
-    triple quotes."""
-    line = read_line(interactive, ">>> ")
-    if line is None or line.strip() != '"""':
-        return line
-    lines, error = [], None
-    while True:
-        try:
-            line = read_line(interactive, "... ")
-        except UserError as e:  # a bad line spoils the message: read on to its end, then say so
-            error, line = e, ""
-        if line is None or line.strip() == '"""':
-            break
-        lines.append(line)
-    if error:
-        raise error
-    return "\n".join(lines)
-
-
-def check_ids(ids, config):
-    """Refuse token ids the embedding table has no row for (embed() would read outside it): an
-    edited tokenizer.json can give them, which its size alone (checked at load) does not show."""
-    if ids and max(ids) >= config.vocab_size:
-        raise UserError(f"tokenizer.json gave the token id {max(ids)}, but the embedding table has "
-                        f"only {config.vocab_size} rows (vocab_size): not one model's files")
-
-
-def make_room(chat, message, max_tokens):
-    """Forget the oldest turns until the conversation, the new message and a whole reply fit in
-    the context, and say so. A message too long even alone is a UserError, and leaves the
-    conversation as it was. Once the context is full, every turn prefills it all again."""
-    context, turns, dropped = chat.config.max_position_embeddings, chat.turns, 0
-    ids = chat.prompt_ids(message)
-    check_ids(ids, chat.config)
-    n_prompt = len(ids)
-    try:
-        while n_prompt + max_tokens > context and dropped < len(turns):
-            dropped += 1
-            chat.turns = turns[dropped:]  # the cache rolls back to the system message
-            n_prompt = len(chat.prompt_ids(message))
-        if n_prompt + max_tokens > context:
-            raise UserError(f"this message makes a {n_prompt}-token prompt; with --max-tokens "
-                            f"{max_tokens} that exceeds the model's {context}-token context: "
-                            "shorten it")
-    except BaseException:  # refused, or Ctrl-C while counting: the earlier turns stay
-        chat.turns = turns
-        raise
-    if dropped:
-        print(f"(the conversation outgrew the {context}-token context: forgot the oldest "
-              f"{plural(dropped, 'turn')})", file=sys.stderr)
-
-
-def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda: None):
-    """Talk until end of input, Ctrl-D or /exit. Replies go to stdout, everything else to
-    stderr. new_reply() runs before each reply (section 17's sampling starts afresh)."""
-    interactive = sys.stdin.isatty()
-    if interactive:
-        if hasattr(sys.stdin, "reconfigure"):  # bytes not UTF-8 then reach as_text: one line
-            sys.stdin.reconfigure(errors="surrogateescape")
-        try:
-            import readline  # noqa: F401 (importing it is what gives input() editing and history)
-        except ImportError:  # not on every platform; input() still works without
-            pass
-    turn = 0
-    while True:
-        try:
-            message = read_message(interactive)
-            command = "/exit" if message is None else message.strip().lower()
-            if re.fullmatch(r"/[a-z?]+", command):  # a command, not a message
-                action = COMMANDS.get(command)
-                if action == "exit":
-                    return
-                if action == "reset":
-                    chat.turns.clear()  # the cache rolls back by itself at the next turn
-                    turn = 0
-                print("(conversation reset)" if action == "reset" else
-                      f"{'' if action else f'unknown command {command}: '}{CHAT_HELP}",
-                      file=sys.stderr)
-                continue
-            if not command:
-                continue
-            make_room(chat, message, max_tokens)
-        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, as in Python's REPL
-            print(file=sys.stderr)
-            continue
-        except UserError as e:  # a bad message is skipped; the chat goes on
-            print(f"error: {e}", file=sys.stderr)
-            continue
-        n_turns, printer = len(chat.turns), ReplyPrinter(chat.tokenizer, hide_think)
-        new_reply()
-        interrupted, prefill_s, decode_s = stream(
-            chat.reply(message, max_tokens, sampling, eos_ids), printer)
-        if len(chat.turns) == n_turns:  # Ctrl-C before the reply began: nothing happened
-            print("Interrupted.", file=sys.stderr)
-            continue
-        turn += 1
-        n = len(chat.turns[-1][1])  # the reply as the history keeps it (without <|im_end|>)
-        prefill = chat.prefilled / prefill_s if printer.n_tokens else 0.0
-        thinking = f", {printer.n_thinking} thinking" if printer.n_thinking else ""
-        print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: {chat.reused} tokens reused "
-              f"from the cache, {chat.prefilled} prefilled at {prefill:.1f} tok/s | Reply: "
-              f"{plural(n, 'token')}{thinking}{rate(printer.n_tokens - 1, decode_s)}",
-              file=sys.stderr)
-
-
-# --- Several processes (mlx.launch, section 20): process 0 reads the input and prints ------------
-
-def share(text, group):
-    """Process 0's text (None: the end of input) on every process of the group: all_sum adds the
-    others' zeros to its bytes."""
-    first = group.rank() == 0
-    data = (text or "").encode("utf-8", "surrogateescape") if first else b""
-    length = mx.array(len(data) + 1 if first and text is not None else 0)  # 0 stands for None
-    length = mx.distributed.all_sum(length, group=group).item()
-    if length == 0:
-        return None
-    data = mx.array(list(data), mx.uint8) if first else mx.zeros(length - 1, mx.uint8)
-    return bytes(mx.distributed.all_sum(data, group=group).tolist()).decode("utf-8",
-                                                                           "surrogateescape")
-
-
-def join(group):
-    """Run as one of the group's processes. Process 0 reads the input, for all (mlx.launch sends
-    stdin to every process), and prints; the others print only their own errors, and die at once
-    on Ctrl-C: generating in step, no process can stop a reply alone."""
-    first, read_prompt_alone, read_message_alone = group.rank() == 0, read_prompt, read_message
-    if first:
-        signal.signal(signal.SIGINT, lambda *_: sys.exit(print("\nInterrupted.", file=sys.stderr)
-                                                         or 130))
-    else:  # its own errors go to a copy of stderr; the rest, MLX's messages too, nowhere
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        sys.__stderr__ = os.fdopen(os.dup(2), "w", buffering=1)
-        for fd in (1, 2):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
-    replace(read_prompt=lambda text: share(read_prompt_alone(text) if first else None, group),
-            read_message=lambda interactive: share(
-                read_message_alone(interactive) if first else None, group))
-
-
 def main(argv=None):
-    if sys.stdout is None:  # closed (>&-)
-        raise UserError("standard output is closed: nowhere to write the text")
-    if sys.stdin is None:  # closed (<&-): read as empty. /dev/null also fills descriptor 0, where
-        sys.stdin = open(os.devnull)  # MLX would take a weight file it opens for a failure.
     group = mx.distributed.init()  # several processes when mlx.launch started this (section 20)
     if group.size() > 1:
-        join(group)
-    args = parse_args(argv)
-    if group.size() > 1 and args.prompt == "-":  # mlx.launch never closes the processes' input
-        raise SharedError("--prompt - reads stdin to its end, which never comes under mlx.launch: "
-                          "give the text itself with --prompt")
-    multi_turn = args.chat and args.prompt is None
-    prompt = None if multi_turn else read_prompt(
-        DEFAULT_PROMPT if args.prompt is None else args.prompt)
-    try:
-        system = as_text(args.system, "--system") if args.system is not None else None
-    except UserError as e:  # the same on every process: said once (section 20)
-        raise SharedError(e) from None
-    if args.chat and args.temperature == 0:
-        print("warning: Qwen advises against greedy decoding (--temperature 0) in chat: in "
-              "thinking mode it leads to endless repetition", file=sys.stderr)
-    ignored = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
-                                        ("--min-p", args.min_p), ("--seed", args.seed))
-               if value is not None]
-    if (args.temperature == 0 or args.temperature is None and not args.chat) and ignored:
-        print(f"warning: {', '.join(ignored)} only matter{'s' * (len(ignored) == 1)} when "
-              f"sampling; greedy decoding ignores {'it' if len(ignored) == 1 else 'them'} (add "
-              "--temperature)", file=sys.stderr)
-    model_dir = find_model(args.model, allow_download=not args.no_download)
+        cli.join(group)  # process 0 reads the input for all, and prints
+    args = cli.parse_args(argv)
+    prompt = cli.read_prompt(args, group)  # None: a chat, its messages read as they come
+    fields = Config.__annotations__
+    model_dir = cli.find_model(args.model, not args.no_download, fields)  # downloaded if need be
     if args.chat:
-        check_chat_template(model_dir)
-    dtype = pick_dtype(args.dtype)
-    config, weights, tokenizer, generation_config = load_model(model_dir, dtype, args.quantize,
-                                                               group)
-    wire_weights(weights)
-    # Part 2's replacements, made here (load_model made section 16's for quantized weights).
-    if not args.reference_ops:
-        use_fused_kernels()  # section 12
-        if not args.no_compile:
-            compile_model()  # section 13
-    eos_ids = eos_token_ids(generation_config, tokenizer)
-    sampling, min_p, presence_penalty = sampling_settings(args, generation_config)
-    if group.size() > 1:  # process 0's seed: every process draws the same tokens
-        sampling = sampling._replace(seed=int(share(str(sampling.seed), group)))
-    new_reply = lambda: None
-    if min_p or presence_penalty:  # section 17, afresh for each reply
-        new_reply = lambda: use_extra_sampling(min_p, presence_penalty, config.vocab_size)
-    c, context = config, config.max_position_embeddings
-    max_tokens = args.max_tokens or min(CHAT_MAX_TOKENS if args.chat else MAX_TOKENS, context // 2)
-    if multi_turn:  # a whole reply must fit beside each message
-        n_format = len(tokenize(tokenizer, chat_prompt("", system, not args.no_think)))
-        if n_format + max_tokens >= context:  # >=: a message adds at least one token
-            raise SharedError(f"--max-tokens {max_tokens} leaves no room for a message in the "
-                              f"model's {context}-token context (the chat format"
-                              f"{' and --system' * bool(system)} takes {n_format} tokens); lower "
-                              f"--max-tokens{' or shorten --system' * bool(system)}")
-    else:
-        text = chat_prompt(prompt, system, think=not args.no_think) if args.chat else prompt
-        prompt_ids = tokenize(tokenizer, text)
-        check_ids(prompt_ids, config)
-        if args.trace and len(prompt_ids) > context:  # the trace makes no reply
-            raise SharedError(f"the prompt has {plural(len(prompt_ids), 'token')}, more than the "
-                              f"model's {context}-token context: shorten it")
-        if not args.trace and len(prompt_ids) + max_tokens > context:
-            raise SharedError(f"the prompt has {plural(len(prompt_ids), 'token')}; with "
-                              f"--max-tokens {max_tokens} that exceeds the model's "
-                              f"{context}-token context: shorten it or lower --max-tokens")
+        cli.check_chat_template(model_dir)
+    dtype = cli.pick_dtype(args.dtype)
 
-    matrices = [weights["embed_tokens"], weights["lm_head"],
-                *(w for layer in weights["layers"] for w in layer.values())]
-    bits = "/".join(map(str, sorted({w.bits for w in matrices if isinstance(w, Quantized)})))
-    n = group.size()  # config holds this process's 1/n of the heads
-    print(f"Model: {model_dir.resolve().name} ({c.num_hidden_layers} layers, {c.hidden_size} dim, "
-          f"{c.num_attention_heads * n} Q heads, {c.num_key_value_heads * n} KV heads) on "
-          f"{'gpu' if mx.default_device() == mx.gpu else 'cpu'}"
-          f"{f' x {n} processes' if n > 1 else ''}, {str(dtype).split('.')[-1]}"
-          f"{f', {bits}-bit weights' if bits else ''}", file=sys.stderr)
-    if MLX_CPU_WHEEL and not OPENBLAS:
-        print(OPENBLAS_HINT, file=sys.stderr)
-    if c.tie_word_embeddings and weights["lm_head"] is not weights["embed_tokens"]:
-        print("Note: config.json ties the LM head to the embeddings, but the checkpoint stores a "
-              "different lm_head.weight; using it, as transformers does", file=sys.stderr)
-    how = describe(sampling, min_p, presence_penalty)
-    if multi_turn:
-        print(f"Chat: {how}, up to {max_tokens} tokens per reply. {CHAT_HELP}.", file=sys.stderr)
-        chat = Chat(weights, config, tokenizer, system, think=not args.no_think)
-        chat_loop(chat, max_tokens, sampling, eos_ids, args.hide_think, new_reply)
-        return 0
-    shortened = prompt if len(prompt) <= 60 else prompt[:60] + "…"  # a prompt may be a file
-    print(f"Prompt: {shown(shortened)} ({plural(len(prompt_ids), 'token')}), {how}",
-          file=sys.stderr)
-    if args.trace:
+    # Load (section 1), after checking what the loaders assume: a broken file is one line.
+    stored = cli.check_config(model_dir, fields, args.quantize)  # a checkpoint stored quantized
+    config = load_config(model_dir)
+    config = cli.check_weights(model_dir, config, stored, layer_shapes(config))  # may untie
+    n = group.size()
+    cli.check_split(model_dir, config, n, args.quantize, stored, can_split)
+    shares = split_config(config, n)  # this process's 1/n of the heads and the feed-forward
+    cli.check_fit(shares, layer_shapes(shares), dtype, args.quantize, stored, quantizable)
+    with cli.reading(model_dir / "tokenizer.json"):
+        tokenizer = load_tokenizer(model_dir)
+    cli.check_tokenizer(tokenizer, config, model_dir)
+    generation_config = cli.load_generation_config(model_dir)
+    sampling, min_p, presence_penalty = cli.sampling_settings(args, generation_config, Sampling,
+                                                              group)
+
+    # Part 2's replacements, all of them: from here on, Part 1's calls run these.
+    if args.quantize or stored:
+        use_quantization(args.quantize, stored)  # section 16: load_tensor, linear, embed
+    if n > 1:
+        use_tensor_parallelism(group)  # section 20: load_tensor, attention, swiglu
+    if not args.reference_ops:
+        use_fused_kernels()  # section 12: rms_norm, apply_rope, attend
+        if not args.no_compile:
+            compile_model()  # section 13: silu_gate
+    new_reply = lambda: None
+    if min_p or presence_penalty:  # section 17: sample
+        new_reply = use_extra_sampling(min_p, presence_penalty, config.vocab_size)
+
+    with cli.reading(model_dir, "re-download the model"):  # a read error halfway through a file
+        weights = load_weights(model_dir, config, dtype)
+    cli.wire_weights(weights)  # on a Mac, keep them resident
+    config = shares
+    eos_ids = cli.eos_token_ids(generation_config, tokenizer)
+    max_tokens = cli.max_tokens(args, config.max_position_embeddings)
+    how = cli.describe(sampling, min_p, presence_penalty)
+
+    if prompt is None:  # --chat: a conversation, one KV cache for all of it (section 18)
+        n_format = len(tokenize(tokenizer, chat_prompt("", args.system, not args.no_think)))
+        cli.check_chat_room(n_format, max_tokens, config.max_position_embeddings, args.system)
+        cli.print_header(model_dir, config, n, dtype, weights, how)
+        print(f"Chat: {how}, up to {max_tokens} tokens per reply. {cli.CHAT_HELP}.",
+              file=sys.stderr)
+        chat = Chat(weights, config, tokenizer, args.system, think=not args.no_think)
+        return cli.chat_loop(chat, max_tokens, sampling, eos_ids, args.hide_think, new_reply,
+                             group)
+    text = chat_prompt(prompt, args.system, not args.no_think) if args.chat else prompt
+    prompt_ids = tokenize(tokenizer, text)
+    cli.check_prompt(prompt_ids, config, max_tokens, args.trace)
+    cli.print_header(model_dir, config, n, dtype, weights, how, prompt, len(prompt_ids))
+    if args.trace:  # section 19
         final = forward(mx.array(prompt_ids), weights, config, make_cache(config))
-        check_logits(final)  # before a table of NaN probabilities
+        cli.check_logits(final)  # before a table of NaN probabilities
         trace(prompt_ids, weights, config, tokenizer, final)
         return 0
-    printer = ReplyPrinter(tokenizer, args.hide_think)
-    top_probs = args.top_probs and (lambda logits: print_top_probs(logits, tokenizer,
-                                                                   args.top_probs))
     new_reply()
-    run = generate_without_cache if args.no_cache else generate_long
-    interrupted, prefill_s, decode_s = stream(
-        run(prompt_ids, weights, config, max_tokens, sampling, eos_ids), printer, top_probs)
-    n = printer.n_tokens
-    print(f"{'Interrupted. ' if interrupted else ''}Prompt: {plural(len(prompt_ids), 'token')}"
-          f"{rate(len(prompt_ids) if n else 0, prefill_s)} | Generated: {plural(n, 'token')}"
-          f"{rate(n - 1, decode_s)} | Total: {prefill_s + decode_s:.2f} s | Peak memory: "
-          f"{mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr)
-    return 130 if interrupted else 0
+    run = generate_without_cache if args.no_cache else generate_long  # sections 15, 14
+    tokens = run(prompt_ids, weights, config, max_tokens, sampling, eos_ids)
+    return cli.complete(tokens, tokenizer, args, len(prompt_ids))  # prints as it comes, then stats
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UserError as e:  # each process's own, but once for what every process meets alike
-        rank = mx.distributed.init().rank()
-        if rank == 0 or not isinstance(e, SharedError):
-            print(f"llm_inference.py: error{f' (process {rank})' if rank else ''}: {e}",
-                  file=sys.__stderr__)
-        sys.exit(1)
-    except RuntimeError as e:  # in a group of processes, most likely another one stopped
-        if mx.distributed.init().size() == 1:
-            raise
-        what = "another process stopped" if "peer" in str(e) else "a process failed"
-        print(f"llm_inference.py: error: {what} ({e}); ending", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:  # Ctrl-C while loading: no traceback
-        mx.synchronize()  # nothing left queued on the GPU at exit, as after Ctrl-C in stream()
-        print("\nInterrupted.", file=sys.stderr)
-        sys.exit(130)
-    except OSError as e:  # writing failed: the reader went away (`... | head`), or a full disk
-        if not isinstance(e, BrokenPipeError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit's flush can't fail
-        if isinstance(e, BrokenPipeError):  # stop quietly, as Unix tools do
-            sys.exit(141)
-        print(f"llm_inference.py: error: cannot write the text: {e.strerror}", file=sys.stderr)
-        sys.exit(1)
+    cli.run(main)

@@ -1,0 +1,1084 @@
+"""The program around llm_inference.py: everything `python llm_inference.py` does besides the model.
+
+You never need to read this file to learn inference: llm_inference.py is the walkthrough, and its
+main() shows how the two fit. This module checks a model folder before the model reads it (so that
+a broken file is one line, not a traceback), downloads a model, parses the flags, prints replies
+and tables, runs the chat loop, joins the processes mlx.launch starts, and ends each expected
+mistake with one line. It imports nothing from llm_inference.py: its functions take what they
+need as arguments.
+"""
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+# MLX's Linux CPU wheel (mlx-cpu, its libraries in mlx_cpu.libs/) does float32 matrix products by
+# calling cblas_sgemm from a bundled reference BLAS: plain loops, many times slower than OpenBLAS
+# (docs/platforms.md). A library opened with RTLD_GLOBAL before MLX loads comes first when the
+# dynamic linker resolves MLX's symbols, so OpenBLAS loaded that way takes those calls; loaded
+# after MLX it is never used. So llm_inference.py imports this module before mlx.core.
+MLX_CPU_WHEEL = any(Path(folder, "mlx_cpu.libs").is_dir() for folder in sys.path)
+try:
+    OPENBLAS = (MLX_CPU_WHEEL and os.environ.get("LLM_INFERENCE_BLAS") != "0"
+                and "mlx.core" not in sys.modules
+                and bool(ctypes.CDLL("libopenblas.so.0", mode=ctypes.RTLD_GLOBAL)))
+except OSError:  # not installed: OPENBLAS_HINT says how to install it
+    OPENBLAS = False
+OPENBLAS_HINT = ("Hint: this CPU runs float32 faster with OpenBLAS, which this script uses once "
+                 "installed: sudo apt-get install libopenblas0-pthread")
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import errno  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
+import signal  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import unicodedata  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
+from tokenizers.decoders import DecodeStream  # noqa: E402
+
+HF_REPO = "Qwen/Qwen3-0.6B"
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+               "tokenizer_config.json")
+NEEDED_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # the other two are optional
+WEIGHTS_INDEX = "model.safetensors.index.json"  # stands in for model.safetensors when sharded
+GROUP_SIZE = 64  # --quantize's group size, llm_inference.GROUP_SIZE: mlx-lm's default
+
+
+class UserError(Exception):
+    """A mistake a person can fix (bad flag, missing file, ...): one line, no traceback."""
+
+
+class SharedError(UserError):
+    """A UserError every process of a group meets alike (section 20): process 0 alone says it."""
+
+
+@contextlib.contextmanager
+def reading(path, fix="re-download it"):
+    """Inside this block, a file that cannot be read or parsed ends in one line that names it and
+    says how to fix it, with the reason MLX, json or tokenizers gave."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:  # OSError, ValueError, RuntimeError; tokenizers raises plain Exception
+        reason = getattr(e, "strerror", None) or str(e).strip().split("\n")[0] or type(e).__name__
+        raise UserError(f"cannot read {path} ({reason}); {fix}") from None
+
+
+def read_json(path, fix="re-download it"):
+    """A JSON object from a file a person may have damaged or edited."""
+    with reading(path, fix):
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(value, dict):
+        raise UserError(f"{path} is not a JSON object; {fix}")
+    return value
+
+
+def is_number(value, kind=float):
+    """Whether a JSON value is a number of `kind` below 1e308 (float takes ints; true is none)."""
+    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
+        return False
+    return kind is int or abs(value) < 1e308  # not NaN, infinite, or an int too large (10**400)
+
+
+def plural(n, word):
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def name_of(dtype):
+    return str(dtype).split(".")[-1]
+
+
+# --- The model folder: everything llm_inference.py's loaders assume, each failure one line -------
+
+def check_config(model_dir, fields, bits=None):
+    """Check config.json: a dense Qwen3 with every field of llm_inference.Config (fields: name ->
+    type). Returns its "quantization" entry ({} for weights stored as floats). bits: --quantize."""
+    path = Path(model_dir) / "config.json"
+    raw = read_json(path)
+    found, rope = raw.get("model_type"), raw.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"{path}: 'rope_parameters' should be an object, got {json.dumps(rope)}")
+    if found == "qwen3_moe":
+        raise UserError(f"{path} describes a mixture-of-experts model (model_type 'qwen3_moe'), "
+                        "which this script does not implement; use a dense Qwen3 model")
+    if found != "qwen3":
+        raise UserError(f"{path} is not a Qwen3 config (model_type is {found!r}, expected 'qwen3')")
+    for feature, asked in {  # variants Part 1 does not implement: refused, not run wrong
+        "RoPE scaling": raw.get("rope_scaling") or rope.get("rope_type", "default") != "default",
+        "attention bias (attention_bias: true)": raw.get("attention_bias"),
+        "sliding-window attention (use_sliding_window: true)": raw.get("use_sliding_window"),
+    }.items():
+        if asked:
+            raise UserError(f"{path} asks for {feature}, which this script does not implement")
+    raw.setdefault("rope_theta", rope.get("rope_theta"))  # transformers 5 writes it in there
+    kinds = {bool: "true or false", int: "a positive integer", float: "a positive number"}
+    for name, kind in fields.items():
+        value = raw.get(name)
+        if value is None:
+            raise UserError(f"{path} lacks the required key {name!r}")
+        if not (isinstance(value, bool) if kind is bool else is_number(value, kind) and value > 0):
+            raise UserError(f"{path}: {name!r} should be {kinds[kind]}, got {json.dumps(value)}")
+    if raw["head_dim"] % 2:  # RoPE turns pairs of channels (section 5)
+        raise UserError(f"{path}: 'head_dim' should be even, got {raw['head_dim']}")
+    heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
+    if heads % kv_heads:  # whole groups (section 6)
+        raise UserError(f"{path}: 'num_attention_heads' ({heads}) should be a multiple of "
+                        f"'num_key_value_heads' ({kv_heads})")
+    quantization, other = raw.get("quantization") or {}, raw.get("quantization_config")
+    if other and not quantization:  # how transformers describes GPTQ, AWQ, FP8, ...
+        raise UserError(f"{path}: the weights are quantized with "
+                        f"{other.get('quant_method') if isinstance(other, dict) else other!r}, "
+                        "which this script does not read; use an unquantized or an MLX-format "
+                        "(mlx_lm.convert) checkpoint")
+    if not isinstance(quantization, dict):
+        raise UserError(f"{path}: 'quantization' should be an object such as "
+                        f'{{"group_size": 64, "bits": 4}}, got {quantization!r}')
+    layers = {name: how for name, how in quantization.items() if isinstance(how, dict)}
+    for layer, how in ({"": quantization} | layers if quantization else {}).items():
+        mode, n_bits, group = how.get("mode", "affine"), how.get("bits"), how.get("group_size")
+        if (mode != "affine" or not is_number(n_bits, int) or n_bits not in (2, 3, 4, 5, 6, 8)
+                or not is_number(group, int) or group not in (32, 64, 128)):
+            raise UserError(f"{path} asks for {mode} quantization at {n_bits!r} bits in groups of "
+                            f"{group!r}{f' for {layer}' if layer else ''}; this script reads "
+                            "affine quantization at 2-6 or 8 bits in groups of 32, 64 or 128")
+    if bits and quantization.get("bits") and bits != quantization["bits"]:
+        raise UserError(f"{model_dir} is already quantized to {quantization['bits']} bits; drop "
+                        "--quantize or point --model at the unquantized model")
+    return quantization
+
+
+def weight_files(model_dir):
+    """The weight files llm_inference.weight_files() reads, with a damaged index as one line."""
+    model_dir = Path(model_dir)
+    if (model_dir / "model.safetensors").exists():
+        return [model_dir / "model.safetensors"]
+    weight_map = read_json(model_dir / WEIGHTS_INDEX).get("weight_map")
+    names = set(weight_map.values()) if isinstance(weight_map, dict) else ()
+    # Plain names of safetensors files beside the index: "../x" would read outside the folder,
+    # and mx.load reads x.npz too.
+    if not names or not all(isinstance(name, str) and Path(name).name == name
+                            and name.endswith(".safetensors") for name in names):
+        raise UserError(f"{model_dir / WEIGHTS_INDEX} is not a valid index of shards (a JSON "
+                        "object whose 'weight_map' names a file for each tensor); re-download it")
+    return [model_dir / name for name in sorted(names)]
+
+
+def tensor_shapes(config, layer_shapes):
+    """Every tensor Part 1 loads, by its name in the checkpoint, with its shape; layer_shapes:
+    llm_inference.layer_shapes(config), one block's."""
+    c = config
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+              "model.norm.weight": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_hidden_layers):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer_shapes.items()}
+    return shapes
+
+
+def check_weights(model_dir, config, stored, layer_shapes):
+    """Check that the weight files hold every tensor Part 1 needs, with its shape and a dtype it
+    reads, and none that config.json does not describe. mx.load reads only the files' headers
+    (it is lazy), and refuses a file that ends before its last tensor. Returns config, untied when
+    the checkpoint stores an LM head of its own (stored_head_differs)."""
+    files, tensors, model_dir = weight_files(model_dir), {}, Path(model_dir)
+    with reading(model_dir / WEIGHTS_INDEX):  # a name too long, say
+        missing = [path.name for path in files if not path.exists()]
+    if missing:
+        raise UserError(f"{model_dir} lacks {missing[0]}, one of the {len(files)} shards named in "
+                        f"{WEIGHTS_INDEX} ({len(missing)} missing); re-download it")
+    for path in files:
+        with reading(path):
+            tensors |= {name: (path, tensor) for name, tensor in mx.load(str(path)).items()}
+    where = files[0] if len(files) == 1 else f"the sharded checkpoint {model_dir}"
+    first = next(iter(layer_shapes))
+    for i in range(config.num_hidden_layers):  # before listing 10**9 layers' tensors, say
+        if f"model.layers.{i}.{first}" not in tensors:
+            raise UserError(f"{where} lacks the tensor 'model.layers.{i}.{first}'")
+    floats = (mx.bfloat16, mx.float16, mx.float32)
+    expected = {name: (shape, floats) for name, shape in tensor_shapes(config, layer_shapes).items()}
+    if "lm_head.weight" in tensors:  # a tied checkpoint's extra head may be used (below)
+        expected["lm_head.weight"] = ((config.vocab_size, config.hidden_size), floats)
+    for name, ((rows, *columns), _) in list(expected.items()):
+        stem = name.removesuffix(".weight")
+        if stored and columns and f"{stem}.scales" in tensors:  # stored quantized (section 16)
+            how = stored.get(stem)
+            how = how if isinstance(how, dict) else stored
+            expected[name] = ((rows, columns[0] * how["bits"] // 32), (mx.uint32,))
+            for part in ("scales", "biases"):
+                expected[f"{stem}.{part}"] = ((rows, columns[0] // how["group_size"]), floats)
+    for name, (shape, dtypes) in expected.items():
+        if name not in tensors:
+            raise UserError(f"{where} lacks the tensor {name!r}")
+        path, tensor = tensors[name]
+        if tuple(tensor.shape) != shape:
+            raise UserError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                            f"{shape}")
+        if tensor.dtype not in dtypes:
+            raise UserError(f"{path}: tensor {name!r} is stored as {name_of(tensor.dtype)}, "
+                            f"expected {' or '.join(map(name_of, dtypes))}")
+    unexplained = [name for name in tensors if name not in expected]
+    if unexplained:
+        raise UserError(f"{where} holds {plural(len(unexplained), 'tensor')} that config.json "
+                        f"does not describe, such as {unexplained[0]!r}: config.json "
+                        f"(num_hidden_layers {config.num_hidden_layers}, ...) does not match them")
+    if config.tie_word_embeddings and stored_head_differs(files):
+        print("Note: config.json ties the LM head to the embeddings, but the checkpoint stores a "
+              "different lm_head.weight; using it, as transformers does", file=sys.stderr)
+        return config._replace(tie_word_embeddings=False)
+    return config
+
+
+def stored_head_differs(files):
+    """A checkpoint whose config ties the LM head to the embeddings may store lm_head.weight too: a
+    copy (Qwen3-0.6B's), or a different matrix, which transformers 5 uses, and so do we (mlx-lm
+    drops it). A different matrix differs in nearly every row, so 64 rows spread over both, read
+    straight from the files, tell them apart without reading 2 x 311 MB on every run. (A
+    safetensors file starts with a length, then that much JSON: name -> dtype, shape, bytes.)"""
+    entries = {}
+    for path in files:
+        with reading(path), path.open("rb") as f:  # a header mx.load reads but json does not
+            length = int.from_bytes(f.read(8), "little")
+            entries |= {name: (path, 8 + length, entry)
+                        for name, entry in json.loads(f.read(length)).items()}
+
+    def rows(path, start, entry):
+        (begin, end), n_rows = entry["data_offsets"], entry["shape"][0]
+        with path.open("rb") as f:
+            for i in range(0, n_rows, max(1, n_rows // 64)):
+                f.seek(start + begin + i * ((end - begin) // n_rows))
+                yield f.read((end - begin) // n_rows)
+
+    head, table = entries.get("lm_head.weight"), entries["model.embed_tokens.weight"]
+    if head is None:
+        return False
+    alike = (head[2]["dtype"], head[2]["shape"]) == (table[2]["dtype"], table[2]["shape"])
+    return not alike or list(rows(*head)) != list(rows(*table))
+
+
+def check_tokenizer(tokenizer, config, model_dir):
+    """Ids the embedding table has rows for, and every text encoded whole."""
+    tokenizer.no_truncation()  # a tokenizer.json may ask to cut or pad every text: not a prompt
+    tokenizer.no_padding()
+    n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
+    if n_tokens > config.vocab_size:  # its ids would pick rows the embedding table lacks
+        raise UserError(f"{Path(model_dir) / 'tokenizer.json'} has {n_tokens} tokens, but the "
+                        f"embedding table has only {config.vocab_size} rows (vocab_size): not one "
+                        "model's files")
+
+
+def check_ids(ids, config):
+    """Refuse token ids the embedding table has no row for (embed() would read outside it): an
+    edited tokenizer.json can give them, which its size alone (checked at load) does not show."""
+    if ids and max(ids) >= config.vocab_size:
+        raise UserError(f"tokenizer.json gave the token id {max(ids)}, but the embedding table has "
+                        f"only {config.vocab_size} rows (vocab_size): not one model's files")
+
+
+def check_chat_template(model_dir):
+    """--chat writes Qwen3's hybrid-thinking format (section 18). Qwen3-2507 Instruct and Thinking
+    were trained on others: their templates lack its enable_thinking switch."""
+    path = Path(model_dir) / "chat_template.jinja"  # newer checkpoints keep it in its own file
+    with reading(path):
+        template = path.read_text(encoding="utf-8") if path.is_file() else None
+    if template is None:
+        path = Path(model_dir) / "tokenizer_config.json"
+        template = read_json(path).get("chat_template") if path.is_file() else None
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        template = [t.get("template") for t in template
+                    if isinstance(t, dict) and t.get("name") == "default"]
+    if template and "enable_thinking" not in str(template):  # no template: given the benefit
+        raise UserError(f"{path} holds a chat template other than Qwen3's hybrid-thinking one that "
+                        "--chat writes (a Qwen3-2507 model?); run it without --chat")
+
+
+def check_split(model_dir, config, n, bits, stored, can_split):
+    """Refuse n processes the model cannot be split over (section 20's can_split)."""
+    # Quantized, each process's columns must hold whole groups (of the largest size: 128, say).
+    sizes = [how.get("group_size", 0) for how in (stored, *stored.values())
+             if isinstance(how, dict)]
+    group_size = GROUP_SIZE if bits else max(sizes)
+    if n > 1 and not can_split(config, n, group_size):
+        counts = [str(k) for k in range(1, config.num_key_value_heads + 1)
+                  if can_split(config, k, group_size)]
+        raise SharedError(f"{model_dir} cannot be split over {n} processes (whole heads and "
+                          f"quantization groups): use {', '.join(counts)}")
+
+
+# --- Memory: will the weights fit? ----------------------------------------------------------------
+
+def weight_bytes(shapes, dtype, quantizable, bits=None, group_size=GROUP_SIZE, stored=None):
+    """The bytes the weights of these shapes (tensor_shapes) take once loaded. Quantized (section
+    16), a matrix takes `bits` per weight plus a scale and a bias per group; stored: config.json's
+    "quantization", whose settings for a matrix (mixed precision) win."""
+    total = 0
+    for name, shape in shapes.items():
+        n, how = math.prod(shape), (stored or {}).get(name.removesuffix(".weight"))
+        b, g = (how["bits"], how["group_size"]) if isinstance(how, dict) else (bits, group_size)
+        b = None if how is False else b  # a layer stored unquantized
+        quantized = b and quantizable(shape, g)
+        total += n * b // 8 + 2 * n // g * dtype.size if quantized else n * dtype.size
+    return total
+
+
+def memory_size():
+    """A GPU's memory as MLX reports it (a Mac's unified memory, a CUDA card's); else the RAM."""
+    info = mx.device_info() if mx.default_device() == mx.gpu else {}
+    size = info.get("memory_size") or info.get("total_memory")  # Metal's key, CUDA's key
+    return size or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def gpu_working_set():
+    """On a Mac, the memory Metal recommends its GPU use at most (2/3 to 3/4 of it): beyond, the
+    weights are paged in and out on every token. None elsewhere (CUDA and the CPU have no such)."""
+    if mx.default_device() == mx.gpu:
+        return mx.device_info().get("max_recommended_working_set_size")
+
+
+def check_memory(needed, available, dtype, working_set=None):
+    """Refuse weights larger than the memory, or on a Mac than the GPU's working set, before
+    reading gigabytes only to crash or swap. Smaller ones run: the OS can usually make room."""
+    if working_set and needed > working_set:
+        has = (f"this Mac's GPU may use only {working_set / 1e9:.1f} GB of its "
+               f"{available / 1e9:.1f} GB of memory (Metal's recommended working set)")
+    elif needed > available:
+        has = f"this machine has {available / 1e9:.1f} GB of memory"
+    else:
+        return
+    smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
+    raise UserError(f"the weights need {needed / 1e9:.1f} GB as {name_of(dtype)}, but "
+                    f"{has}; try {smaller}--quantize 4, or a smaller model")
+
+
+def check_fit(config, layer_shapes, dtype, bits, stored, quantizable):
+    """check_memory for the weights of config (this process's share) and its layer_shapes."""
+    needed = weight_bytes(tensor_shapes(config, layer_shapes), dtype, quantizable,
+                          bits or stored.get("bits"), stored.get("group_size", GROUP_SIZE), stored)
+    check_memory(needed, memory_size(), dtype, gpu_working_set())
+
+
+def wire_weights(weights):
+    """On a Mac, keep weights that fill more than half the GPU's working set resident ("wired"),
+    as mlx-lm does: every token reads all of them. Set once, before anything is queued (MLX asks
+    that the limit not change while work is queued)."""
+    from mlx.utils import tree_flatten  # only this Mac step needs it
+
+    arrays = {id(a): a for _, a in tree_flatten(weights) if isinstance(a, mx.array)}  # tied: once
+    working_set = gpu_working_set()
+    if working_set and sum(a.nbytes for a in arrays.values()) > working_set / 2:
+        mx.set_wired_limit(working_set)
+
+
+def pick_dtype(name):
+    """'auto' = bfloat16 on a GPU; float32 on the CPU, where MLX runs bfloat16 products through
+    its own slower loops, with or without OpenBLAS (docs/platforms.md)."""
+    if name == "auto":
+        return mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+    return getattr(mx, name)
+
+
+# --- generation_config.json and the flags: one table of rules for both ----------------------------
+
+# The lowest temperature besides 0. Lower, sampling is greedy in all but name (a logit gap of 0.01
+# becomes 100), and far lower (1e-45) logits / temperature overflow to inf: the draw gives token 0.
+MIN_TEMPERATURE = 1e-4
+
+# Each setting, from generation_config.json or a flag: the test its value passes, what it should be.
+SETTINGS = {
+    "temperature": (lambda t: is_number(t) and (t == 0 or t >= MIN_TEMPERATURE),
+                    f"0 (greedy) or at least {MIN_TEMPERATURE}"),
+    "top_k": (lambda k: is_number(k, int) and k >= 0, "an integer >= 0 (0 = off)"),
+    "top_p": (lambda p: is_number(p) and 0 < p <= 1, "a number in (0, 1]"),
+    "min_p": (lambda p: is_number(p) and 0 <= p <= 1, "a number in [0, 1]"),
+    "presence_penalty": (lambda p: is_number(p) and 0 <= p <= 2, "a number in [0, 2]"),
+    "seed": (lambda s: is_number(s, int) and 0 <= s < 2**64, "an integer in [0, 2**64)"),
+    "max_tokens": (lambda n: is_number(n, int) and n >= 1, "an integer >= 1"),
+    "top_probs": (lambda n: is_number(n, int) and n >= 1, "an integer >= 1"),
+    "eos_token_id": (lambda ids: all(is_number(i, int) and i >= 0 for i in
+                                     (ids if isinstance(ids, list) else [ids])),
+                     "a token id (an integer >= 0) or a list of them"),
+}
+
+
+def load_generation_config(model_dir):
+    """generation_config.json (optional): end-of-sequence ids, Qwen's recommended sampling."""
+    path = Path(model_dir) / "generation_config.json"
+    values = read_json(path, "delete or re-download it") if path.exists() else {}
+    values = {key: value for key, value in values.items() if value is not None}  # null: unset
+    for key in ("temperature", "top_k", "top_p", "min_p", "eos_token_id"):
+        fits, expected = SETTINGS[key]
+        if key in values and not fits(values[key]):
+            raise UserError(f"{path}: {key!r} should be {expected}, got "
+                            f"{json.dumps(values[key])}; fix it or delete the file")
+    return values
+
+
+def eos_token_ids(generation_config, tokenizer):
+    """Ids that end a reply: <|im_end|> (151645) ends a chat turn, <|endoftext|> (151643) a text."""
+    ids = generation_config.get("eos_token_id", [])
+    ids = set(ids if isinstance(ids, list) else [ids])
+    return ids | {tokenizer.token_to_id(token) for token in ("<|im_end|>", "<|endoftext|>")
+                  if tokenizer.token_to_id(token) is not None}
+
+
+# --- Finding the model: a folder, or a Hugging Face repo id downloaded once into a folder ---------
+
+def repo_id(text):
+    """'owner/name' as Hugging Face spells repo ids, also pasted as a huggingface.co address or
+    with a trailing slash; None for anything else."""
+    address = re.match(r"https?://(?:www\.)?huggingface\.co/([^/?#]+/[^/?#]+)", text)
+    text = address.group(1) if address else text.rstrip("/")
+    return text if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", text) else None
+
+
+SCRIPT_DIR = Path(__file__).resolve().parent  # llm_inference.py's folder too
+
+
+def download_command(repo, model_dir):
+    """The `hf download` command to print. Its --local-dir is relative, so that it works on another
+    machine too: to the current folder when model_dir is under it, else to the script's (cd)."""
+    files = f" {' '.join(MODEL_FILES)}" if repo == HF_REPO else ""
+    model_dir, here, cd = Path(model_dir).absolute(), Path.cwd(), ""
+    if model_dir.is_relative_to(here):
+        model_dir = model_dir.relative_to(here)
+    elif model_dir.is_relative_to(SCRIPT_DIR):  # repo ids' and the default folder are there
+        cd, model_dir = f"cd {shlex.quote(str(SCRIPT_DIR))} && ", model_dir.relative_to(SCRIPT_DIR)
+    return f"{cd}hf download {repo}{files} --local-dir {shlex.quote(str(model_dir))}"
+
+
+def missing_files(names):
+    """The NEEDED_FILES not among these file names; a sharded checkpoint's index stands in for
+    model.safetensors (check_weights then checks its shards)."""
+    return [name for name in NEEDED_FILES if name not in names
+            and not (name == "model.safetensors" and WEIGHTS_INDEX in names)]
+
+
+def download_model(repo, model_dir, fields):
+    """Fetch the files Part 1 reads from a Hugging Face repo into model_dir, config.json first
+    (refusing a model this script cannot run before gigabytes; fields: llm_inference.Config's),
+    the weights last, an index after its shards: a folder cut off midway never looks complete,
+    and the next run fetches what is missing (huggingface_hub renames each file once whole)."""
+    import huggingface_hub as hub  # only needed here, on the first run
+
+    info = hub.HfApi().model_info(repo, files_metadata=True)
+    sizes = {s.rfilename: s.size or 0 for s in info.siblings}
+    if missing_files(sizes):
+        raise UserError(f"{repo} has no {', '.join(missing_files(sizes))}: it is not a Qwen3 "
+                        "checkpoint in Hugging Face's safetensors layout")
+    get = lambda names, folder: hub.snapshot_download(repo, revision=info.sha, local_dir=folder,
+                                                      allow_patterns=names)
+    index = [WEIGHTS_INDEX] if "model.safetensors" not in sizes else []
+    with tempfile.TemporaryDirectory() as first:
+        get(["config.json", *index], first)
+        try:
+            check_config(first, fields)
+            weights = [path.name for path in weight_files(first)] if index else []
+        except UserError as e:  # name the repo, not the temporary folder
+            raise UserError(str(e).replace(str(Path(first)), repo))
+    names = [name for name in (*MODEL_FILES, "chat_template.jinja") if name in sizes]
+    total = sum(sizes.get(name, 0) for name in names + weights + index)
+    print(f"Downloading {repo} ({len(names + weights + index)} files, {total / 1e9:.2f} GB) into "
+          f"{model_dir}/", file=sys.stderr)
+    others = [name for name in names if name != "model.safetensors"]
+    for batch in (others, weights or ["model.safetensors"], index):
+        if batch:
+            get(batch, model_dir)
+
+
+def find_model(model_arg, allow_download, fields):
+    """The model folder. --model is a folder when that path exists or is no repo id, and is never
+    downloaded into (it may hold another model). A repo id (default: Qwen/Qwen3-0.6B, in
+    ./Qwen3-0.6B if present) is downloaded into its folder next to the script when incomplete."""
+    repo = repo_id(model_arg or HF_REPO)
+    try:
+        if model_arg and Path(model_arg).exists() and (
+                repo is None or Path(model_arg).resolve() != SCRIPT_DIR / repo):  # no download
+            repo = None
+        if repo is None:
+            model_dir = Path(model_arg)
+        elif model_arg:
+            model_dir = SCRIPT_DIR / repo
+        else:  # ./Qwen3-0.6B when present, else the one next to the script
+            model_dir = Path("Qwen3-0.6B")
+            model_dir = model_dir if model_dir.is_dir() else SCRIPT_DIR / model_dir
+        # Names, not files: a directory in a file's place is reported as unreadable when read.
+        names = {p.name for p in model_dir.iterdir()} if model_dir.is_dir() else ()
+    except OSError as e:  # a name too long, a folder without permission, ...
+        raise UserError(f"cannot read the model folder {model_arg or 'Qwen3-0.6B'}: "
+                        f"{e.strerror or e}")
+    missing = missing_files(names)
+    if not missing:
+        return model_dir
+    what = (f"{model_dir} lacks {', '.join(missing)}" if model_dir.is_dir() else
+            f"{model_dir} is a file, not a model folder" if model_dir.exists() else
+            f"model folder {model_dir} not found")
+    if repo is None:
+        raise UserError(f"{what}; point --model at a folder with {', '.join(NEEDED_FILES)} "
+                        f"(or {WEIGHTS_INDEX} and its shards), or at a repo id such as "
+                        "Qwen/Qwen3-1.7B")
+    if not allow_download:
+        raise UserError(f"{what} and --no-download was given; "
+                        f"fetch it with: {download_command(repo, model_dir)}")
+    try:
+        download_model(repo, model_dir, fields)
+    except UserError as e:
+        raise UserError(f"{what}, and {e}")
+    except Exception as e:  # offline, no such repo, a network error midway, a full disk ...
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{what}, and could not download {repo} ({type(e).__name__}: {reason}); "
+                        "run again to resume, or fetch it with: "
+                        f"{download_command(repo, model_dir)}")
+    return model_dir
+
+
+# --- The command line: python llm_inference.py --prompt "..." [flags] -----------------------------
+
+DEFAULT_PROMPT = "The capital of France is"
+MAX_TOKENS, CHAT_MAX_TOKENS = 100, 8192  # 8192: enough to finish thinking, mostly (README, Chat)
+# Qwen's recommended sampling (model card); in thinking mode generation_config.json's win.
+QWEN3_THINKING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
+QWEN3_NO_THINK = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
+# What transformers' generate() falls back on for a value generation_config.json lacks.
+TRANSFORMERS_DEFAULTS = {"top_p": 1.0, "top_k": 50, "min_p": 0.0}
+
+
+def as_text(data, what):
+    """Text as a text editor reads it: UTF-8 without a byte-order mark, with Windows (CRLF) and
+    old Mac (CR) line ends as newlines. A str from the command line that was not UTF-8 (cut
+    mid-character?) holds lone surrogates, which os.fsencode turns back into its bytes."""
+    try:
+        text = (os.fsencode(data) if isinstance(data, str) else data).decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise UserError(f"{what} is not valid UTF-8 text (cut in the middle of a character?)")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def read_prompt(args, group):
+    """The prompt's text (--prompt, stdin for '-'); None for a chat without --prompt. In a group of
+    processes, process 0's, read there alone."""
+    if args.chat and args.prompt is None:
+        return None
+    if group.size() > 1 and args.prompt == "-":  # mlx.launch never closes the processes' input
+        raise SharedError("--prompt - reads stdin to its end, which never comes under mlx.launch: "
+                          "give the text itself with --prompt")
+    if group.rank() > 0:
+        return share(None, group)
+    text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    if text == "-":  # read the prompt from stdin
+        if sys.stdin.isatty():
+            print("Reading the prompt from the terminal; end it with Ctrl-D.", file=sys.stderr)
+        text = as_text(sys.stdin.buffer.read(), "the prompt on stdin").removesuffix("\n")  # echo's
+    text = as_text(text, "--prompt")
+    if not text.strip():
+        raise UserError("the prompt is empty; pass some text with --prompt")
+    return share(text, group) if group.size() > 1 else text
+
+
+def number(kind, rule):
+    """An argparse type: a number of `kind` that passes SETTINGS[rule]."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            expected = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        if not SETTINGS[rule][0](value):  # NaN and inf too: is_number refuses them
+            raise argparse.ArgumentTypeError(f"must be {SETTINGS[rule][1]}, got {text}")
+        return value
+    return parse
+
+
+def model_name(text):
+    """An argparse type for --model. An empty one (a shell variable never set?) would otherwise
+    mean the default model, and a 1.5 GB download."""
+    if not text:
+        raise argparse.ArgumentTypeError(f"is empty; give a model folder, or a repo id such as "
+                                         f"{HF_REPO}")
+    return text
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block; exit code 2 as usual
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parse_args(argv):
+    """The flags, checked, with warnings about flags that do nothing."""
+    ap = ArgumentParser(prog="llm_inference.py", description="Generate text with Qwen3 on MLX.")
+    add = ap.add_argument
+    add("--prompt", help=f"the text to continue ('-' reads stdin; default: {DEFAULT_PROMPT!r}); "
+        "with --chat, one message and its reply")
+    add("--max-tokens", type=number(int, "max_tokens"), help=f"stop after this many new tokens "
+        f"({MAX_TOKENS}; {CHAT_MAX_TOKENS} with --chat; at most half the context)")
+    add("--temperature", type=number(float, "temperature"),
+        help="0 = greedy (default; with --chat 0.6, or 0.7 with --no-think)")
+    add("--top-p", type=number(float, "top_p"),
+        help="nucleus sampling mass (generation_config.json's; 0.8 with --no-think)")
+    add("--top-k", type=number(int, "top_k"),
+        help="keep only the k most likely tokens, 0 = all (generation_config.json's)")
+    add("--min-p", type=number(float, "min_p"),
+        help="keep tokens at least this fraction as likely as the likeliest (0)")
+    add("--presence-penalty", type=number(float, "presence_penalty"),
+        help="lower the logit of tokens already in the reply, against repetition (0)")
+    add("--seed", type=number(int, "seed"), help="random seed for sampling (default: fresh)")
+    add("--model", type=model_name, help="a model folder, or a Hugging Face repo id such as "
+        "Qwen/Qwen3-1.7B, downloaded once into the folder Qwen/Qwen3-1.7B next to this script "
+        "(default: ./Qwen3-0.6B, else the one next to this script)")
+    add("--no-download", action="store_true", help="never download the model, fail instead")
+    add("--chat", action="store_true", help="talk with the model in Qwen3's chat format")
+    add("--system", help="system message for --chat")
+    add("--no-think", action="store_true", help="with --chat: skip Qwen3's <think> reasoning")
+    add("--hide-think", action="store_true",
+        help="with --chat: show a progress line instead of the reasoning")
+    add("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+        help="auto = bfloat16 on a GPU, float32 on the CPU. M1/M2 Macs have no bfloat16 "
+        "arithmetic: float16 can run faster there (docs/platforms.md), but Qwen3 can overflow "
+        "it. On CUDA and M5 Macs, MLX multiplies float32 with TF32 (less precise) unless "
+        "MLX_ENABLE_TF32=0 is set")
+    add("--quantize", type=int, choices=[4, 8], metavar="{4,8}",
+        help="store the weights in 4 or 8 bits, as mlx_lm.convert does: less memory")
+    lab = ap.add_argument_group("experiments (README, Experiments)").add_argument
+    lab("--top-probs", type=number(int, "top_probs"), metavar="N",
+        help="print the N likeliest first tokens and their probabilities")
+    lab("--trace", action="store_true",
+        help="narrate one forward pass over the prompt (shapes, sizes, logit lens); no reply")
+    lab("--no-cache", action="store_true",
+        help="recompute the whole sequence at every step, without the KV cache")
+    lab("--no-compile", action="store_true",
+        help="run silu_gate uncompiled (section 13), so print() works inside it")
+    lab("--reference-ops", action="store_true",
+        help="run Part 1 as written: no fused kernels (section 12), no compilation")
+    args = ap.parse_args(argv)
+    if (args.system is not None or args.no_think or args.hide_think) and not args.chat:
+        ap.error("--system, --no-think and --hide-think only apply with --chat")
+    for flag, given in (("--top-probs", args.top_probs), ("--trace", args.trace),
+                        ("--no-cache", args.no_cache)):
+        if given and args.chat and args.prompt is None:
+            ap.error(f"{flag} needs a single message: add --prompt to --chat")
+        if given and args.trace and flag != "--trace":  # the trace makes no reply
+            ap.error(f"{flag} does not apply to --trace, which runs one forward pass and ends "
+                     "with the 5 likeliest tokens")
+    try:
+        args.system = as_text(args.system, "--system") if args.system is not None else None
+    except UserError as e:  # the same on every process: said once (section 20)
+        raise SharedError(e) from None
+    if args.chat and args.temperature == 0:
+        print("warning: Qwen advises against greedy decoding (--temperature 0) in chat: in "
+              "thinking mode it leads to endless repetition", file=sys.stderr)
+    ignored = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
+                                        ("--min-p", args.min_p), ("--seed", args.seed))
+               if value is not None]
+    if (args.temperature == 0 or args.temperature is None and not args.chat) and ignored:
+        print(f"warning: {', '.join(ignored)} only matter{'s' * (len(ignored) == 1)} when "
+              f"sampling; greedy decoding ignores {'it' if len(ignored) == 1 else 'them'} (add "
+              "--temperature)", file=sys.stderr)
+    return args
+
+
+def max_tokens(args, context):
+    """--max-tokens, or a default of at most half the context."""
+    return args.max_tokens or min(CHAT_MAX_TOKENS if args.chat else MAX_TOKENS, context // 2)
+
+
+def sampling_settings(args, generation_config, sampling_type, group):
+    """(sampling_type(temperature, top_k, top_p, seed), min_p, presence penalty). Flags win.
+    --chat then takes Qwen's recommendations: generation_config.json's in thinking mode, the model
+    card's for --no-think. Completion is greedy unless --temperature is given; top-k/p and min-p
+    then come from the file (as in transformers). In a group, every process takes process 0's
+    seed, so that all draw the same tokens."""
+    if args.chat and args.no_think:
+        recommended = QWEN3_NO_THINK
+    elif args.chat:
+        recommended = QWEN3_THINKING | generation_config
+    else:
+        recommended = TRANSFORMERS_DEFAULTS | generation_config | {"temperature": 0.0}
+    given = lambda flag, name: flag if flag is not None else recommended[name]
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    if group.size() > 1:
+        seed = int(share(str(seed), group))
+    sampling = sampling_type(float(given(args.temperature, "temperature")),
+                             int(given(args.top_k, "top_k")), float(given(args.top_p, "top_p")),
+                             seed)
+    return sampling, float(given(args.min_p, "min_p")), args.presence_penalty or 0.0
+
+
+def describe(sampling, min_p, presence_penalty):
+    """The sampling settings in the order they apply."""
+    s = sampling
+    how = f"presence penalty {presence_penalty}, " if presence_penalty else ""
+    if s.temperature == 0:
+        return how + "greedy"
+    how += f"temperature {s.temperature}, top-k {s.top_k or 'off'}, top-p {s.top_p}"
+    return how + (f", min-p {min_p}" if min_p else "") + f", seed {s.seed}"
+
+
+def check_context(n_prompt, new_tokens, context, prompt, fix, error=SharedError):
+    """Refuse a prompt (`prompt`: how to name it) of n_prompt tokens that, with new_tokens more,
+    would not fit in the model's context."""
+    if n_prompt + new_tokens > context:
+        limit = f"; with --max-tokens {new_tokens} that exceeds" if new_tokens else ", more than"
+        raise error(f"{prompt}{limit} the model's {context}-token context: {fix}")
+
+
+def check_prompt(prompt_ids, config, max_new, trace):
+    """The prompt's ids, checked against the table and the context (a trace makes no reply)."""
+    check_ids(prompt_ids, config)
+    fix = "shorten it" + ("" if trace else " or lower --max-tokens")
+    check_context(len(prompt_ids), 0 if trace else max_new, config.max_position_embeddings,
+                  f"the prompt has {plural(len(prompt_ids), 'token')}", fix)
+
+
+# --- Terminal output: the header, a reply as it comes, tables, the statistics line ----------------
+
+def print_header(model_dir, config, n, dtype, weights, how, prompt=None, n_prompt=0):
+    """Model: ... (and a hint, on a Linux CPU without OpenBLAS), then Prompt: ... unless chatting."""
+    from mlx.utils import tree_flatten
+
+    c, bits = config, {getattr(w, "bits", None) for _, w in tree_flatten(weights)}
+    bits = "/".join(map(str, sorted(bits - {None})))
+    print(f"Model: {Path(model_dir).resolve().name} ({c.num_hidden_layers} layers, "
+          f"{c.hidden_size} dim, {c.num_attention_heads * n} Q heads, "
+          f"{c.num_key_value_heads * n} KV heads) on "
+          f"{'gpu' if mx.default_device() == mx.gpu else 'cpu'}"
+          f"{f' x {n} processes' if n > 1 else ''}, {name_of(dtype)}"
+          f"{f', {bits}-bit weights' if bits else ''}", file=sys.stderr)
+    if MLX_CPU_WHEEL and not OPENBLAS:
+        print(OPENBLAS_HINT, file=sys.stderr)
+    if prompt is not None:
+        shortened = prompt if len(prompt) <= 60 else prompt[:60] + "…"  # a prompt may be a file
+        print(f"Prompt: {shown(shortened)} ({plural(n_prompt, 'token')}), {how}", file=sys.stderr)
+
+
+def rate(n, seconds):
+    """', 12.3 tok/s', or nothing when no token was timed (a decode rate counts the tokens after
+    the first: one token gives none)."""
+    return f", {n / seconds:.1f} tok/s" if n > 0 and seconds > 0 else ""
+
+
+def shown(text):
+    """A token or text in quotes, escapes as Python writes them, but emoji kept whole (their
+    zero-width joiners are no escape)."""
+    return repr(text).replace("\\u200d", "\u200d")
+
+
+def columns(text):
+    """The columns a terminal gives text: CJK characters take two, combining marks none."""
+    return sum(0 if unicodedata.category(ch) in ("Mn", "Me", "Cf")
+               else 2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
+
+
+def print_top_probs(logits, tokenizer, n, file=None):
+    """A table of the n likeliest next tokens and their probabilities (" Paris" first), on file
+    (sys.stderr as it is at the call)."""
+    file = file or sys.stderr
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+    print(f"{'rank':>4}  {'token':<16} {'id':>7}  probability", file=file)
+    for rank, token_id in enumerate(mx.argsort(-probs)[:min(n, probs.size)].tolist(), 1):
+        token = shown(tokenizer.decode([token_id], skip_special_tokens=False))
+        print(f"{rank:>4}  {token}{' ' * (16 - columns(token))} {token_id:>7}  "
+              f"{probs[token_id].item():.4f}", file=file)
+
+
+class ReplyPrinter:
+    """Writes a reply to stdout as its tokens arrive. On a terminal, Qwen3's <think>...</think>
+    reasoning is dimmed; hide_think shows a "thinking... (N tokens)" line instead, on stderr.
+    In a pipe or a file the text is written as it is, without colour codes."""
+
+    DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+
+    def __init__(self, tokenizer, hide_think):
+        self.tokenizer, self.hide_think = tokenizer, hide_think
+        self.think_ids = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+        self.colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ  # no-color.org
+        self.progress = hide_think and sys.stderr.isatty()
+        # DecodeStream holds back the bytes of a character split across tokens (emoji, CJK) until
+        # it is complete: nothing prints as garbage.
+        self.stream = DecodeStream(skip_special_tokens=True)
+        self.thinking, self.n_thinking, self.n_tokens = False, 0, 0
+        self.answer_started = False  # for hide_think: the newlines after </think> are dropped
+
+    def add(self, token_id):
+        self.n_tokens += 1
+        piece = self.stream.step(self.tokenizer, token_id) or ""
+        if token_id == self.think_ids[self.thinking]:  # <think> opens, </think> closes
+            self.thinking = not self.thinking
+            self.show_progress(clear=True)
+            piece = "" if self.hide_think else piece
+            if self.colour and not self.hide_think:
+                piece = self.DIM + piece if self.thinking else piece + self.PLAIN
+        elif self.thinking:
+            self.n_thinking += 1
+            piece = "" if self.hide_think else piece
+            self.show_progress()
+        elif self.hide_think and not self.answer_started:
+            piece = piece.lstrip("\n")
+            self.answer_started = bool(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    def show_progress(self, clear=False):
+        if self.progress and self.n_thinking:
+            sys.stderr.write("\r\x1b[K" if clear else f"\rthinking… ({self.n_thinking} tokens)")
+            sys.stderr.flush()
+
+    def finish(self):
+        """End the reply's line, restoring the colour if it stopped while thinking."""
+        if self.thinking:
+            self.show_progress(clear=True)
+            sys.stdout.write(self.PLAIN if self.colour and not self.hide_think else "")
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def check_logits(logits):
+    """Refuse logits that are NaN or infinite, before they are shown as text or probabilities."""
+    if not mx.all(mx.isfinite(logits)).item():
+        raise UserError("the model computed NaN or infinite logits: its activations overflowed "
+                        "(float16 can, with Qwen3: try --dtype bfloat16 or float32), or the "
+                        "weights hold NaN (re-download them)")
+
+
+def stream(tokens, printer, on_first_logits=None):
+    """Print (token id, logits) pairs as they are generated, until the end or Ctrl-C. Returns
+    (interrupted, seconds to the first token: the prefill, seconds for the rest: the decode)."""
+    start = first = time.perf_counter()
+    interrupted = False
+    try:
+        for token_id, logits in tokens:
+            if printer.n_tokens == 0:
+                first = time.perf_counter()
+                check_logits(logits)  # once: no cost per token
+                if on_first_logits:
+                    on_first_logits(logits)
+            printer.add(token_id)  # <|im_end|> prints nothing
+    except KeyboardInterrupt:
+        interrupted = True
+        # generate() queues the next step before yielding a token: let it finish before the program
+        # exits or goes on (quitting with GPU work queued has crashed other MLX programs).
+        mx.synchronize()
+    finally:
+        tokens.close()  # for Chat.reply: the (partial) reply joins the history now
+    end = time.perf_counter()
+    printer.finish()
+    return interrupted, first - start, end - first
+
+
+def complete(tokens, tokenizer, args, n_prompt):
+    """Print a completion as it is generated (and --top-probs' table), then the statistics line.
+    Returns the exit code: 130 when Ctrl-C stopped it."""
+    printer = ReplyPrinter(tokenizer, args.hide_think)
+    top_probs = args.top_probs and (lambda logits: print_top_probs(logits, tokenizer,
+                                                                   args.top_probs))
+    interrupted, prefill_s, decode_s = stream(tokens, printer, top_probs)
+    n = printer.n_tokens
+    print(f"{'Interrupted. ' if interrupted else ''}Prompt: {plural(n_prompt, 'token')}"
+          f"{rate(n_prompt if n else 0, prefill_s)} | Generated: {plural(n, 'token')}"
+          f"{rate(n - 1, decode_s)} | Total: {prefill_s + decode_s:.2f} s | Peak memory: "
+          f"{mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr)
+    return 130 if interrupted else 0
+
+
+# --- Chat: reading messages, and the loop ---------------------------------------------------------
+
+CHAT_HELP = ('/reset (or /clear) starts over; /exit (/quit, /bye, Ctrl-D) ends; /help shows this; '
+             'Ctrl-C stops a reply; """ on a line of its own starts and ends a message of several '
+             'lines')
+COMMANDS = {"/exit": "exit", "/quit": "exit", "/bye": "exit", "/reset": "reset",
+            "/clear": "reset", "/help": "help", "/?": "help"}
+
+
+def read_line(interactive, prompt):
+    """A line of input, None at its end. On a terminal, input() has line editing and history
+    (readline, imported by chat_loop)."""
+    if interactive:
+        if not sys.stdout.isatty():  # input() would write the prompt among the replies
+            print(prompt, end="", file=sys.stderr, flush=True)
+            prompt = ""
+        try:
+            return as_text(input(prompt), "the message")
+        except EOFError:  # Ctrl-D
+            print(file=sys.stderr)
+            return None
+    line = sys.stdin.buffer.readline()
+    return as_text(line, "the message").removesuffix("\n") if line else None
+
+
+def read_message(interactive, group):
+    """The next message, None at the end of input: a line, or the lines between two lines of
+    triple quotes. In a group of processes, process 0's, read there alone."""
+    if group.rank() > 0:
+        return share(None, group)
+    line = read_line(interactive, ">>> ")
+    if line is not None and line.strip() == '"""':
+        lines, error = [], None
+        while True:
+            try:
+                line = read_line(interactive, "... ")
+            except UserError as e:  # a bad line spoils the message: read on to its end, then say
+                error, line = e, ""
+            if line is None or line.strip() == '"""':
+                break
+            lines.append(line)
+        if error:
+            raise error
+        line = "\n".join(lines)
+    return share(line, group) if group.size() > 1 else line
+
+
+def make_room(chat, message, max_tokens):
+    """Forget the oldest turns until the conversation, the new message and a whole reply fit in
+    the context, and say so. A message too long even alone is a UserError, and leaves the
+    conversation as it was. Once the context is full, every turn prefills it all again."""
+    context, turns, dropped = chat.config.max_position_embeddings, chat.turns, 0
+    ids = chat.prompt_ids(message)
+    check_ids(ids, chat.config)
+    n_prompt = len(ids)
+    try:
+        while n_prompt + max_tokens > context and dropped < len(turns):
+            dropped += 1
+            chat.turns = turns[dropped:]  # the cache rolls back to the system message
+            n_prompt = len(chat.prompt_ids(message))
+        check_context(n_prompt, max_tokens, context,
+                      f"this message makes a {n_prompt}-token prompt", "shorten it", UserError)
+    except BaseException:  # refused, or Ctrl-C while counting: the earlier turns stay
+        chat.turns = turns
+        raise
+    if dropped:
+        print(f"(the conversation outgrew the {context}-token context: forgot the oldest "
+              f"{plural(dropped, 'turn')})", file=sys.stderr)
+
+
+def check_chat_room(n_format, max_tokens, context, system):
+    """Refuse a --max-tokens that leaves no room for a message beside the chat format."""
+    extra = " and --system" * bool(system)
+    check_context(n_format + 1, max_tokens, context,  # + 1: a message adds at least one token
+                  f"the chat format{extra} takes {n_format} tokens, and a message at least one",
+                  f"lower --max-tokens{' or shorten --system' * bool(system)}")
+
+
+def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply, group):
+    """Talk until end of input, Ctrl-D or /exit. Replies go to stdout, everything else to
+    stderr. new_reply() runs before each reply (section 17's sampling starts afresh)."""
+    interactive = sys.stdin.isatty()
+    if interactive:
+        if hasattr(sys.stdin, "reconfigure"):  # bytes not UTF-8 then reach as_text: one line
+            sys.stdin.reconfigure(errors="surrogateescape")
+        try:
+            import readline  # noqa: F401 (importing it is what gives input() editing and history)
+        except ImportError:  # not on every platform; input() still works without
+            pass
+    turn = 0
+    while True:
+        try:
+            message = read_message(interactive, group)
+            command = "/exit" if message is None else message.strip().lower()
+            if re.fullmatch(r"/[a-z?]+", command):  # a command, not a message
+                action = COMMANDS.get(command)
+                if action == "exit":
+                    return 0
+                if action == "reset":
+                    chat.turns.clear()  # the cache rolls back by itself at the next turn
+                    turn = 0
+                print("(conversation reset)" if action == "reset" else
+                      f"{'' if action else f'unknown command {command}: '}{CHAT_HELP}",
+                      file=sys.stderr)
+                continue
+            if not command:
+                continue
+            make_room(chat, message, max_tokens)
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, as in Python's REPL
+            print(file=sys.stderr)
+            continue
+        except UserError as e:  # a bad message is skipped; the chat goes on
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        n_turns, printer = len(chat.turns), ReplyPrinter(chat.tokenizer, hide_think)
+        new_reply()
+        interrupted, prefill_s, decode_s = stream(
+            chat.reply(message, max_tokens, sampling, eos_ids), printer)
+        if len(chat.turns) == n_turns:  # Ctrl-C before the reply began: nothing happened
+            print("Interrupted.", file=sys.stderr)
+            continue
+        turn += 1
+        n = len(chat.turns[-1][1])  # the reply as the history keeps it (without <|im_end|>)
+        prefill = chat.prefilled / prefill_s if printer.n_tokens else 0.0
+        thinking = f", {printer.n_thinking} thinking" if printer.n_thinking else ""
+        print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: {chat.reused} tokens reused "
+              f"from the cache, {chat.prefilled} prefilled at {prefill:.1f} tok/s | Reply: "
+              f"{plural(n, 'token')}{thinking}{rate(printer.n_tokens - 1, decode_s)}",
+              file=sys.stderr)
+
+
+# --- Several processes (mlx.launch, section 20): process 0 reads the input and prints ------------
+
+def share(text, group):
+    """Process 0's text (None: the end of input) on every process of the group: all_sum adds the
+    others' zeros to its bytes."""
+    first = group.rank() == 0
+    data = (text or "").encode("utf-8", "surrogateescape") if first else b""
+    length = mx.array(len(data) + 1 if first and text is not None else 0)  # 0 stands for None
+    length = mx.distributed.all_sum(length, group=group).item()
+    if length == 0:
+        return None
+    data = mx.array(list(data), mx.uint8) if first else mx.zeros(length - 1, mx.uint8)
+    return bytes(mx.distributed.all_sum(data, group=group).tolist()).decode("utf-8",
+                                                                           "surrogateescape")
+
+
+def join(group):
+    """Run as one of the group's processes. Process 0 reads the input, for all (mlx.launch sends
+    stdin to every process: read_prompt and read_message share it), and prints; the others print
+    only their own errors, and die at once on Ctrl-C: generating in step, no process can stop a
+    reply alone."""
+    if group.rank() == 0:
+        signal.signal(signal.SIGINT, lambda *_: sys.exit(print("\nInterrupted.", file=sys.stderr)
+                                                         or 130))
+    else:  # its own errors go to a copy of stderr; the rest, MLX's messages too, nowhere
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        sys.__stderr__ = os.fdopen(os.dup(2), "w", buffering=1)
+        for fd in (1, 2):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+
+
+# --- The top level: each expected failure one line, with an exit code -----------------------------
+
+def run(main):
+    """sys.exit(main()), with a UserError, Ctrl-C, a closed pipe or a full disk as one line."""
+    try:
+        if sys.stdout is None:  # closed (>&-)
+            raise UserError("standard output is closed: nowhere to write the text")
+        if sys.stdin is None:  # closed (<&-): read as empty. /dev/null also fills descriptor 0,
+            sys.stdin = open(os.devnull)  # where MLX would take a weight file it opens.
+        sys.exit(main())
+    except UserError as e:  # each process's own, but once for what every process meets alike
+        rank = mx.distributed.init().rank()
+        if rank == 0 or not isinstance(e, SharedError):
+            print(f"llm_inference.py: error{f' (process {rank})' if rank else ''}: {e}",
+                  file=sys.__stderr__)
+        sys.exit(1)
+    except RuntimeError as e:  # in a group of processes, most likely another one stopped
+        if mx.distributed.init().size() == 1:
+            raise
+        what = "another process stopped" if "peer" in str(e) else "a process failed"
+        print(f"llm_inference.py: error: {what} ({e}); ending", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C while loading: no traceback
+        mx.synchronize()  # nothing left queued on the GPU at exit, as after Ctrl-C in stream()
+        print("\nInterrupted.", file=sys.stderr)
+        sys.exit(130)
+    except OSError as e:  # writing failed: the reader went away (`... | head`), or a full disk
+        if not isinstance(e, BrokenPipeError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit's flush can't fail
+        if isinstance(e, BrokenPipeError):  # stop quietly, as Unix tools do
+            sys.exit(141)
+        print(f"llm_inference.py: error: cannot write the text: {e.strerror}", file=sys.stderr)
+        sys.exit(1)
