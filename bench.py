@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cli
 import llm_inference as li  # first: it loads OpenBLAS, if installed, before MLX (see its top)
 
 import mlx.core as mx  # noqa: E402
@@ -252,12 +253,13 @@ def by_checkpoint_name(weights, config):
 
 def check_request(model_dir, bits, longest):
     """What bench.py asks of a folder beyond what the command line checks: one line each."""
-    config, stored = li.check_config(model_dir)
+    stored = cli.check_config(model_dir, li.Config.__annotations__)
+    config = li.load_config(model_dir)
     if bits and stored:  # mlx-lm would quantize the packed integers again
-        raise li.UserError(f"{model_dir} is already quantized to {stored.get('bits')} bits: drop "
+        raise cli.UserError(f"{model_dir} is already quantized to {stored.get('bits')} bits: drop "
                            "--quantize")
     if longest > config.max_position_embeddings:
-        raise li.UserError(f"a prompt and its new tokens would reach {longest} tokens, beyond the "
+        raise cli.UserError(f"a prompt and its new tokens would reach {longest} tokens, beyond the "
                            f"model's {config.max_position_embeddings}-token context: lower "
                            "--prompt-lengths, --cache-lengths or --decode-tokens")
 
@@ -268,12 +270,14 @@ def load_pair(model_dir, dtype, bits=None):
     which the tests show hold the same numbers."""
     from mlx_lm.utils import load, quantize_model
 
-    # The command line's loader: every check of the folder (one line each), section 16's replacements.
-    config, weights, tokenizer, _ = li.load_model(model_dir, dtype, bits)
+    from tests.checkpoint import load_model
+
+    # The command line's loading: every check of the folder (one line each), section 16's replacements.
+    config, weights, tokenizer, _ = load_model(model_dir, dtype, bits)
     try:
         model, _, raw_config = load(str(model_dir), lazy=True, return_config=True)
     except Exception as e:  # a checkpoint mlx-lm reads otherwise than we do, or cannot read
-        raise li.UserError(f"mlx-lm cannot load {model_dir} ({type(e).__name__}: {e})")
+        raise cli.UserError(f"mlx-lm cannot load {model_dir} ({type(e).__name__}: {e})")
     if bits:
         model, _ = quantize_model(model, raw_config, li.GROUP_SIZE, bits)
     names = [name for name, _ in tree_flatten(model.parameters())]
@@ -285,10 +289,10 @@ def load_pair(model_dir, dtype, bits=None):
 
 def main():
     # The CLI's parser and checks: a bad value is one line and exit code 2, before anything loads.
-    ap = li.ArgumentParser(description=__doc__,
+    ap = cli.ArgumentParser(description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    count = li.number(int, 1)
-    ap.add_argument("--model", type=li.model_name,
+    count = cli.number(int, "count")
+    ap.add_argument("--model", type=cli.model_name,
                     help="checkpoint folder or Hugging Face repo id (default: ./Qwen3-0.6B if present, "
                          "else random weights)")
     ap.add_argument("--tiny", action="store_true", help="random 2-layer model instead of the 0.6B shape")
@@ -323,7 +327,7 @@ def main():
         sys.exit("bench.py: error: --device gpu, but this MLX has no GPU (a CPU-only build?)")
     if args.device:
         mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
-    dtype = li.pick_dtype(args.dtype)
+    dtype = cli.pick_dtype(args.dtype)
     li.use_fused_kernels()  # as the command line does (section 12) ...
     li.compile_model()  # ... and section 13
     if args.distributed:  # several processes: the last section of this file
@@ -336,8 +340,8 @@ def main():
         model_dir = Path("Qwen3-0.6B")
         if args.model and not args.tiny:  # a folder, or a repo id, downloaded once as the CLI does
             try:
-                model_dir = li.find_model(args.model, allow_download=True)
-            except li.UserError as e:
+                model_dir = cli.find_model(args.model, allow_download=True)
+            except cli.UserError as e:
                 sys.exit(f"bench.py: error: {e}")
         if args.tiny or not (model_dir / "config.json").exists():
             from tests.checkpoint import TINY_CONFIG, write_checkpoint
@@ -352,9 +356,9 @@ def main():
         try:
             check_request(model_dir, args.quantize, longest)
             config, weights, tokenizer, model = load_pair(model_dir, dtype, args.quantize)
-        except li.UserError as e:
+        except cli.UserError as e:
             sys.exit(f"bench.py: error: {e}")
-        stored_bits = li.check_config(model_dir)[1].get("bits")  # a folder stored quantized
+        stored_bits = cli.check_config(model_dir, li.Config.__annotations__).get("bits")  # a folder stored quantized
         if args.quantize:
             errors = quantization_error(model_dir, config, weights)
             print(f"{args.quantize}-bit quantization, relative error of layer 0's products (‖x Ŵᵀ - x Wᵀ‖ / "
@@ -362,7 +366,7 @@ def main():
 
     unique = {id(w): w for w in by_checkpoint_name(weights, config).values()}  # a tied head once
     weight_bytes = sum(w.nbytes for w in unique.values())
-    blas = f", {'OpenBLAS' if li.OPENBLAS else 'bundled BLAS'}" if li.MLX_CPU_WHEEL else ""
+    blas = f", {'OpenBLAS' if cli.OPENBLAS else 'bundled BLAS'}" if cli.MLX_CPU_WHEEL else ""
     bits = f", {args.quantize or stored_bits}-bit weights" if args.quantize or stored_bits else ""
     print(f"MLX {mx.__version__}, device {mx.default_device()}{blas}, dtype {str(dtype).split('.')[-1]}{bits}, "
           f"{config.num_hidden_layers} layers, {weight_bytes / 1e9:.2f} GB of weights")
@@ -440,7 +444,7 @@ def distributed_model_dir(args, group, tmp):
     else ./Qwen3-0.6B, else random weights that each process writes for itself (the same ones)."""
     model_dir = Path("Qwen3-0.6B")
     if args.model and not args.tiny:
-        model_dir = li.find_model(args.model, allow_download=group.size() == 1)
+        model_dir = cli.find_model(args.model, allow_download=group.size() == 1)
     if args.tiny or not (model_dir / "config.json").exists():
         from tests.checkpoint import TINY_CONFIG, write_checkpoint
 
@@ -452,17 +456,19 @@ def distributed_model_dir(args, group, tmp):
 
 
 def load_split(model_dir, dtype, bits, group, replaced):
-    """This process's share of the model, loaded by llm_inference.load_model (its checks and its
-    replacements; `replaced`: the module as main() left it, put back first), and mlx-lm's model
-    split the same way (model.shard()). group None: the whole model."""
-    from mlx_lm.utils import load_model, quantize_model
+    """This process's share of the model, loaded as llm_inference.main() loads it (tests.checkpoint's
+    load_model: the checks and the replacements; `replaced`: the module as main() left it, put back
+    first), and mlx-lm's model split the same way (model.shard()). group None: the whole model."""
+    from mlx_lm.utils import load_model as mlx_lm_load_model, quantize_model
+
+    from tests.checkpoint import load_model
 
     for name, value in replaced.items():  # undo the last load's replacements
         if vars(li).get(name) is not value:
             setattr(li, name, value)
     n = group.size() if group is not None else 1
-    split, weights, _, _ = li.load_model(model_dir, dtype, bits, group if n > 1 else None)
-    model, raw_config = load_model(Path(model_dir), lazy=True)
+    split, weights, _, _ = load_model(model_dir, dtype, bits, group if n > 1 else None)
+    model, raw_config = mlx_lm_load_model(Path(model_dir), lazy=True)
     if bits:
         model, _ = quantize_model(model, raw_config, li.GROUP_SIZE, bits)
     model.set_dtype(dtype)  # computing in the same dtype as ours (packed integers stay as they are)
@@ -517,8 +523,8 @@ def distributed_benchmark(args, dtype):
         try:
             model_dir = distributed_model_dir(args, group, tmp)
             check_request(model_dir, args.quantize, length + n_tokens)
-            config = li.check_config(model_dir)[0]
-        except li.UserError as e:
+            config = li.load_config(model_dir)
+        except cli.UserError as e:
             sys.exit(f"bench.py: error{f' (process {rank})' if rank else ''}: {e}")
         prompt = mx.random.randint(0, config.vocab_size, (length,), key=mx.random.key(0)).tolist()
         latency = None
@@ -527,7 +533,7 @@ def distributed_benchmark(args, dtype):
             try:
                 split, weights, model = load_split(model_dir, dtype, args.quantize, group,
                                                    replaced)
-            except li.UserError as e:
+            except cli.UserError as e:
                 sys.exit(f"bench.py: error{f' (process {rank})' if rank else ''}: {e}")
             runners = {"ours": ours(weights, split), "mlx-lm": mlx_lm_runner(model)}
             rows.append((n, compare_split(runners, prompt, n_tokens, reps, group)))
@@ -537,7 +543,7 @@ def distributed_benchmark(args, dtype):
             mx.clear_cache()
         try:
             _, weights, model = load_split(model_dir, dtype, args.quantize, None, replaced)
-        except li.UserError as e:
+        except cli.UserError as e:
             sys.exit(f"bench.py: error: {e}")
         runners = {"ours": ours(weights, config), "mlx-lm": mlx_lm_runner(model)}
         rows.append((1, compare_split(runners, prompt, n_tokens, reps)))

@@ -400,8 +400,7 @@ SETTINGS = {
     "min_p": (lambda p: is_number(p) and 0 <= p <= 1, "a number in [0, 1]"),
     "presence_penalty": (lambda p: is_number(p) and 0 <= p <= 2, "a number in [0, 2]"),
     "seed": (lambda s: is_number(s, int) and 0 <= s < 2**64, "an integer in [0, 2**64)"),
-    "max_tokens": (lambda n: is_number(n, int) and n >= 1, "an integer >= 1"),
-    "top_probs": (lambda n: is_number(n, int) and n >= 1, "an integer >= 1"),
+    "count": (lambda n: is_number(n, int) and n >= 1, "an integer >= 1"),  # --max-tokens, ...
     "eos_token_id": (lambda ids: all(is_number(i, int) and i >= 0 for i in
                                      (ids if isinstance(ids, list) else [ids])),
                      "a token id (an integer >= 0) or a list of them"),
@@ -616,7 +615,7 @@ def parse_args(argv):
     add = ap.add_argument
     add("--prompt", help=f"the text to continue ('-' reads stdin; default: {DEFAULT_PROMPT!r}); "
         "with --chat, one message and its reply")
-    add("--max-tokens", type=number(int, "max_tokens"), help=f"stop after this many new tokens "
+    add("--max-tokens", type=number(int, "count"), help=f"stop after this many new tokens "
         f"({MAX_TOKENS}; {CHAT_MAX_TOKENS} with --chat; at most half the context)")
     add("--temperature", type=number(float, "temperature"),
         help="0 = greedy (default; with --chat 0.6, or 0.7 with --no-think)")
@@ -646,7 +645,7 @@ def parse_args(argv):
     add("--quantize", type=int, choices=[4, 8], metavar="{4,8}",
         help="store the weights in 4 or 8 bits, as mlx_lm.convert does: less memory")
     lab = ap.add_argument_group("experiments (README, Experiments)").add_argument
-    lab("--top-probs", type=number(int, "top_probs"), metavar="N",
+    lab("--top-probs", type=number(int, "count"), metavar="N",
         help="print the N likeliest first tokens and their probabilities")
     lab("--trace", action="store_true",
         help="narrate one forward pass over the prompt (shapes, sizes, logit lens); no reply")
@@ -911,10 +910,10 @@ def read_line(interactive, prompt):
     return as_text(line, "the message").removesuffix("\n") if line else None
 
 
-def read_message(interactive, group):
+def read_message(interactive, group=None):
     """The next message, None at the end of input: a line, or the lines between two lines of
     triple quotes. In a group of processes, process 0's, read there alone."""
-    if group.rank() > 0:
+    if group and group.rank() > 0:
         return share(None, group)
     line = read_line(interactive, ">>> ")
     if line is not None and line.strip() == '"""':
@@ -930,7 +929,7 @@ def read_message(interactive, group):
         if error:
             raise error
         line = "\n".join(lines)
-    return share(line, group) if group.size() > 1 else line
+    return share(line, group) if group and group.size() > 1 else line
 
 
 def make_room(chat, message, max_tokens):
@@ -964,7 +963,7 @@ def check_chat_room(n_format, max_tokens, context, system):
                   f"lower --max-tokens{' or shorten --system' * bool(system)}")
 
 
-def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply, group):
+def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda: None, group=None):
     """Talk until end of input, Ctrl-D or /exit. Replies go to stdout, everything else to
     stderr. new_reply() runs before each reply (section 17's sampling starts afresh)."""
     interactive = sys.stdin.isatty()

@@ -536,3 +536,41 @@ def write_checkpoint(
     _write_json(folder / "model.safetensors.index.json",
                 {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))})
     return folder
+
+
+def load_model(model_dir, dtype, bits=None, group=None):
+    """What llm_inference.main() does to load a model, for the tests and bench.py: cli.py's checks,
+    Part 2's replacements for quantized weights (bits: --quantize) and for a group of processes,
+    then Part 1's loaders. Returns (config: this process's share, weights, tokenizer,
+    generation_config.json's values)."""
+    import cli
+    import llm_inference as li
+
+    n = group.size() if group else 1
+    fields = li.Config.__annotations__
+    stored = cli.check_config(model_dir, fields, bits)
+    config = li.load_config(model_dir)
+    config = cli.check_weights(model_dir, config, stored, li.layer_shapes(config))
+    cli.check_split(model_dir, config, n, bits, stored, li.can_split)
+    shares = li.split_config(config, n)
+    cli.check_fit(shares, li.layer_shapes(shares), dtype, bits, stored, li.quantizable)
+    with cli.reading(Path(model_dir) / "tokenizer.json"):
+        tokenizer = li.load_tokenizer(model_dir)
+    cli.check_tokenizer(tokenizer, config, model_dir)
+    generation_config = cli.load_generation_config(model_dir)
+    if bits or stored:
+        li.use_quantization(bits, stored)
+    if n > 1:
+        li.use_tensor_parallelism(group)
+    with cli.reading(model_dir, "re-download the model"):
+        weights = li.load_weights(model_dir, config, dtype)
+    return shares, weights, tokenizer, generation_config
+
+
+def weight_bytes(config, dtype, bits=None):
+    """cli.weight_bytes of the whole model that config describes."""
+    import cli
+    import llm_inference as li
+
+    shapes = cli.tensor_shapes(config, li.layer_shapes(config))
+    return cli.weight_bytes(shapes, dtype, li.quantizable, bits)

@@ -90,7 +90,7 @@ def reference(tiny_model):
     from tests.test_cli import Reference
 
     # The CLI's default --dtype auto: float32 on the CPU, bfloat16 on a GPU; the same rule here.
-    return Reference(tiny_model, li.pick_dtype("auto"))
+    return Reference(tiny_model, cli.pick_dtype("auto"))
 
 
 @pytest.fixture(scope="session")
@@ -139,6 +139,7 @@ def mlx_lm_loads_a_tokenizer_once():
 
 
 import llm_inference as li  # noqa: E402
+import cli  # noqa: E402
 
 # Part 2 changes how Part 1 runs by rebinding module names (llm_inference.replace()); main() does
 # it, and so do tests. What the module holds before any test runs is Part 1 as written.

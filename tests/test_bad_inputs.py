@@ -12,8 +12,9 @@ import sys
 import mlx.core as mx
 import pytest
 
+import cli
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG
+from tests.checkpoint import TINY_CONFIG, load_model
 from tests.test_cli import SCRIPT, assert_one_line_error, cli_env, parse_success, run_cli
 from tests.test_distributed import Group
 
@@ -41,8 +42,8 @@ def config_with(tiny, **changes):
 
 def test_a_model_path_too_long_for_the_file_system(tmp_path):
     """Fix: find_model's Path.exists() raised ENAMETOOLONG as a traceback."""
-    with pytest.raises(li.UserError, match="cannot read the model folder a+: File name too long"):
-        li.find_model("a" * 300, allow_download=False)
+    with pytest.raises(cli.UserError, match="cannot read the model folder a+: File name too long"):
+        cli.find_model("a" * 300, allow_download=False)
 
 
 @pytest.mark.parametrize("shard, message", [
@@ -56,20 +57,20 @@ def test_an_index_naming_a_file_too_long_or_not_safetensors(tiny, tmp_path, shar
     (folder / "model.safetensors").unlink()
     if shard.endswith(".npz"):
         mx.savez(str(folder / shard), **tensors)
-    (folder / li.WEIGHTS_INDEX).write_text(json.dumps({"weight_map": dict.fromkeys(tensors, shard)}))
-    with pytest.raises(li.UserError, match=message):
-        li.load_model(folder, mx.float32)
+    (folder / cli.WEIGHTS_INDEX).write_text(json.dumps({"weight_map": dict.fromkeys(tensors, shard)}))
+    with pytest.raises(cli.UserError, match=message):
+        load_model(folder, mx.float32)
 
 
-@pytest.mark.parametrize("file", ["config.json", "generation_config.json", li.WEIGHTS_INDEX])
+@pytest.mark.parametrize("file", ["config.json", "generation_config.json", cli.WEIGHTS_INDEX])
 def test_json_nested_too_deep(tiny, tmp_path, file):
     """Fix: json.loads' RecursionError (a RuntimeError) escaped read_json and the index check."""
     deep = b'{"x": ' + b"[" * 100000 + b"]" * 100000 + b"}"
     folder = copy(tiny, tmp_path / "m", **{file.replace(".json", "_json"): deep})
-    if file == li.WEIGHTS_INDEX:
+    if file == cli.WEIGHTS_INDEX:
         (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
-    with pytest.raises(li.UserError, match="not valid JSON|not a valid index"):
-        li.load_model(folder, mx.float32)
+    with pytest.raises(cli.UserError, match="not valid JSON|not a valid index"):
+        load_model(folder, mx.float32)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -85,22 +86,22 @@ def test_config_values_that_passed_the_checks(tiny, tmp_path, changes, message):
     """Fix: a rope_parameters list raised AttributeError; ints too large for a float, and float
     bits or group sizes (4.0 in (2, 3, 4, ...) is True), passed, then failed inside MLX."""
     folder = copy(tiny, tmp_path / "m", config_json=config_with(tiny, **changes))
-    with pytest.raises(li.UserError, match=message.replace("[", r"\[").replace(".", r"\.")):
-        li.check_config(folder)
+    with pytest.raises(cli.UserError, match=message.replace("[", r"\[").replace(".", r"\.")):
+        cli.check_config(folder, li.Config.__annotations__)
 
 
 def test_a_large_integer_rope_theta_runs_as_a_float(tiny, tmp_path, capsys):
     """Fix: "rope_theta": 10**20 (an int in JSON) reached RoPE as an int: std::bad_cast."""
     folder = copy(tiny, tmp_path / "m", config_json=config_with(tiny, rope_theta=10**20))
-    assert li.check_config(folder)[0].rope_theta == 1e20
+    assert li.load_config(folder).rope_theta == 1e20
     assert li.main(["--model", str(folder), "--max-tokens", "2", "--reference-ops"]) == 0
 
 
 def test_an_odd_head_dim(checkpoints):
     """Fix: head_dim 15 (with tensors to match) failed in RoPE, which turns pairs of channels."""
     folder = checkpoints(TINY_CONFIG | {"head_dim": 15})
-    with pytest.raises(li.UserError, match="'head_dim' should be even, got 15"):
-        li.check_config(folder)
+    with pytest.raises(cli.UserError, match="'head_dim' should be even, got 15"):
+        cli.check_config(folder, li.Config.__annotations__)
 
 
 def test_a_billion_layers_is_refused_at_once(tiny, tmp_path):
@@ -116,7 +117,7 @@ def test_a_token_id_beyond_the_embedding_table(tiny, tmp_path, monkeypatch, caps
     tokenizer = json.loads((tiny / "tokenizer.json").read_text())
     tokenizer["model"]["vocab"]["The"] = 2 * 10**9
     folder = copy(tiny, tmp_path / "m", tokenizer_json=tokenizer)
-    with pytest.raises(li.UserError, match="gave the token id 2000000000, but the embedding table"):
+    with pytest.raises(cli.UserError, match="gave the token id 2000000000, but the embedding table"):
         li.main(["--model", str(folder), "--max-tokens", "2"])
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"The end\nHi\n")))
     assert li.main(["--model", str(folder), "--chat", "--max-tokens", "2"]) == 0
@@ -142,7 +143,7 @@ def test_a_tokenizer_that_truncates_or_pads_leaves_the_prompt_whole(tiny, tmp_pa
 def test_a_chat_template_list_with_entries_that_are_not_objects(tiny, tmp_path, templates):
     """Fix: check_chat_template called .get() on each entry: AttributeError."""
     folder = copy(tiny, tmp_path / "m", tokenizer_config_json={"chat_template": templates})
-    li.check_chat_template(folder)  # no template named default: given the benefit of the doubt
+    cli.check_chat_template(folder)  # no template named default: given the benefit of the doubt
 
 
 @pytest.mark.parametrize("change", ["padded with NUL bytes", "nested 3000 deep"])
@@ -159,13 +160,13 @@ def test_a_safetensors_header_that_mlx_reads_and_json_does_not(tiny, tmp_path, c
                                 b'"model.norm.weight":{"x":' + b"[" * 3000 + b"]" * 3000 + b",")
     changed = len(header).to_bytes(8, "little") + header + data[8 + length:]
     folder = copy(tiny, tmp_path / "m", model_safetensors=changed)
-    with pytest.raises(li.UserError, match="whose header is not plain JSON"):
-        li.load_model(folder, mx.float32)
+    with pytest.raises(cli.UserError, match="whose header is not plain JSON"):
+        load_model(folder, mx.float32)
 
 
 def test_top_probs_beyond_the_vocabulary(tiny, capsys):
     """Fix: --top-probs 10**12 sliced with an index MLX refuses: ValueError."""
-    li.print_top_probs(mx.arange(6, dtype=mx.float32), li.load_tokenizer(tiny), 10**12)
+    cli.print_top_probs(mx.arange(6, dtype=mx.float32), li.load_tokenizer(tiny), 10**12)
     assert len(capsys.readouterr().err.splitlines()) == 1 + 6
 
 
@@ -175,7 +176,7 @@ def test_trace_refuses_nan_logits(tiny, tmp_path):
     tensors["model.norm.weight"] = mx.full(tensors["model.norm.weight"].shape, mx.nan, mx.bfloat16)
     folder = copy(tiny, tmp_path / "m")
     mx.save_safetensors(str(folder / "model.safetensors"), tensors, metadata={"format": "pt"})
-    with pytest.raises(li.UserError, match="NaN or infinite logits"):
+    with pytest.raises(cli.UserError, match="NaN or infinite logits"):
         li.main(["--model", str(folder), "--trace"])
 
 
@@ -211,8 +212,8 @@ def test_prompt_from_stdin_is_refused_under_several_processes(tiny, monkeypatch)
     """Fix: under mlx.launch, which never closes the processes' input, --prompt - waited forever
     for the end of stdin."""
     monkeypatch.setattr(li.mx.distributed, "init", lambda: Group(2))
-    monkeypatch.setattr(li, "join", lambda group: None)  # no signal handlers, no shared reads
-    with pytest.raises(li.SharedError, match="--prompt - reads stdin to its end"):
+    monkeypatch.setattr(cli, "join", lambda group: None)  # no signal handlers, no shared reads
+    with pytest.raises(cli.SharedError, match="--prompt - reads stdin to its end"):
         li.main(["--model", str(tiny), "--prompt", "-"])
 
 
@@ -222,7 +223,7 @@ def test_prompt_from_stdin_is_refused_under_several_processes(tiny, monkeypatch)
 def test_refusals_every_process_meets_are_said_once(tiny, flags):
     """Fix: these were plain UserErrors, which every process of a group prints: under mlx.launch,
     the same line twice. A SharedError is said by process 0 alone."""
-    with pytest.raises(li.SharedError):
+    with pytest.raises(cli.SharedError):
         li.main(["--model", str(tiny), *flags])
 
 
@@ -233,5 +234,5 @@ def test_trace_takes_a_prompt_that_fills_the_context(checkpoints, capsys):
     prompt = " a" * 63  # 63 tokens, and no room for more
     assert li.main(["--model", str(folder), "--trace", "--prompt", prompt]) == 0
     assert "final RMSNorm + LM head" in capsys.readouterr().out
-    with pytest.raises(li.SharedError, match="the prompt has 65 tokens, more than the model's 64"):
+    with pytest.raises(cli.SharedError, match="the prompt has 65 tokens, more than the model's 64"):
         li.main(["--model", str(folder), "--trace", "--prompt", prompt + " a a"])

@@ -9,6 +9,8 @@ import sys
 import mlx.core as mx
 import pytest
 
+from tests.checkpoint import load_model
+
 import bench
 import llm_inference as li
 from tests.test_bad_inputs import copy
@@ -204,7 +206,7 @@ def test_lengths_beyond_the_context(checkpoints, monkeypatch):
     for flags in (["--prompt-lengths", 10**12], ["--prompt-lengths", 60, "--decode-tokens", 8],
                   ["--cache-lengths", 60, "--decode-tokens", 8], ["--distributed", "--prompt-lengths", 60]):
         assert "beyond the model's 64-token context" in bench_main(monkeypatch, "--model", folder, *flags)
-    config, weights, tokenizer, _ = li.load_model(folder, mx.float32)
+    config, weights, tokenizer, _ = load_model(folder, mx.float32)
     with pytest.raises(SystemExit, match="turn 2 would outgrow the model's 64-token context: lower "
                                          "--chat-turns or --decode-tokens"):
         bench.chat_experiment(weights, config, tokenizer, 3, 40)
@@ -223,5 +225,5 @@ def test_quantization_error_skips_matrices_left_unquantized(checkpoints):
     from tests.checkpoint import TINY_CONFIG
 
     folder = checkpoints(TINY_CONFIG | {"hidden_size": 96})
-    config, weights, _, _ = li.load_model(folder, mx.float32, 4)  # as load_pair loads ours
+    config, weights, _, _ = load_model(folder, mx.float32, 4)  # as load_pair loads ours
     assert set(bench.quantization_error(folder, config, weights)) == {"o_proj", "down_proj"}

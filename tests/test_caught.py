@@ -11,8 +11,9 @@ import mlx.core as mx
 import pytest
 
 import bench
+import cli
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG, write_checkpoint
+from tests.checkpoint import TINY_CONFIG, write_checkpoint, load_model, weight_bytes
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +23,10 @@ def tiny(tmp_path_factory):
 
 def test_the_lowest_temperature_and_min_p_0_are_accepted():
     """Bugs: the temperature floor itself refused (> instead of >=); --min-p 0 refused."""
-    assert li.parse_args(["--temperature", str(li.MIN_TEMPERATURE)]).temperature == li.MIN_TEMPERATURE
-    assert li.parse_args(["--min-p", "0"]).min_p == 0
+    assert cli.parse_args(["--temperature", str(cli.MIN_TEMPERATURE)]).temperature == cli.MIN_TEMPERATURE
+    assert cli.parse_args(["--min-p", "0"]).min_p == 0
     with pytest.raises(SystemExit):
-        li.parse_args(["--temperature", str(li.MIN_TEMPERATURE / 2)])
+        cli.parse_args(["--temperature", str(cli.MIN_TEMPERATURE / 2)])
 
 
 def test_a_transformers_5_config_with_rope_theta_in_rope_parameters(tiny):
@@ -37,7 +38,8 @@ def test_a_transformers_5_config_with_rope_theta_in_rope_parameters(tiny):
     for path in tiny.iterdir():
         (tiny.parent / "t5" / path.name).write_bytes(path.read_bytes())
     (tiny.parent / "t5" / "config.json").write_text(json.dumps(raw))
-    config, _ = li.check_config(tiny.parent / "t5")
+    cli.check_config(tiny.parent / "t5", li.Config.__annotations__)
+    config = li.load_config(tiny.parent / "t5")
     assert config.rope_theta == theta == li.load_config(tiny).rope_theta
 
 
@@ -50,7 +52,7 @@ def test_the_chat_format_counts_the_system_message(tmp_path):
     assert n_format > len(li.tokenize(tokenizer, li.chat_prompt("", None, True))) + 5
     fits = 80 - n_format - 1  # one token left for a message
     flags = ["--model", str(folder), "--chat", "--system", system, "--temperature", "0.6"]
-    with pytest.raises(li.UserError, match="and --system takes"):
+    with pytest.raises(cli.UserError, match="and --system takes"):
         li.main([*flags, "--max-tokens", str(fits + 1)])
     sys.stdin = io.TextIOWrapper(io.BytesIO(b"/exit\n"))
     try:
@@ -66,7 +68,7 @@ def test_make_room_drops_the_last_turn_too(tmp_path):
     chat = li.Chat(None, config, tokenizer)
     chat.turns = [("One", li.tokenize(tokenizer, "A reply of a few tokens."))]
     alone = len(li.Chat(None, config, tokenizer).prompt_ids("Two"))
-    li.make_room(chat, "Two", 80 - alone)  # fits only without the one earlier turn
+    cli.make_room(chat, "Two", 80 - alone)  # fits only without the one earlier turn
     assert chat.turns == []
 
 
@@ -127,14 +129,14 @@ def test_the_printed_download_command_quotes_its_path(tmp_path, monkeypatch):
     """Bug: the --local-dir of the printed `hf download` command was not shell-quoted."""
     folder = tmp_path / "my models" / "Qwen3 0.6B"
     monkeypatch.chdir(tmp_path)
-    words = shlex.split(li.download_command("Qwen/Qwen3-0.6B", folder))
+    words = shlex.split(cli.download_command("Qwen/Qwen3-0.6B", folder))
     assert words[-2:] == ["--local-dir", "my models/Qwen3 0.6B"]
 
 
 def test_a_differing_stored_head_is_quantized_too(tmp_path):
     """Bug: with --quantize, a tied config's different stored lm_head.weight stayed in floats."""
     folder = write_checkpoint(tmp_path / "m", TINY_CONFIG, tied_head="different")
-    _, weights, _, _ = li.load_model(folder, mx.float32, 4)
+    _, weights, _, _ = load_model(folder, mx.float32, 4)
     assert isinstance(weights["lm_head"], li.Quantized) and weights["lm_head"].bits == 4
     assert weights["lm_head"] is not weights["embed_tokens"]
 
@@ -154,11 +156,11 @@ def test_the_memory_check_counts_an_untied_head(tmp_path, monkeypatch):
     (1.24 GB for Qwen3-8B in bfloat16)."""
     folder = write_checkpoint(tmp_path / "m", TINY_CONFIG | {"tie_word_embeddings": False})
     config = li.load_config(folder)
-    needed = li.weight_bytes(config, mx.float32)
-    assert needed > li.weight_bytes(config._replace(tie_word_embeddings=True), mx.float32)
-    monkeypatch.setattr(li, "memory_size", lambda: needed - 1)
-    monkeypatch.setattr(li, "gpu_working_set", lambda: None)
-    with pytest.raises(li.UserError, match="the weights need"):
-        li.load_model(folder, mx.float32)
-    monkeypatch.setattr(li, "memory_size", lambda: needed)
-    li.load_model(folder, mx.float32)
+    needed = weight_bytes(config, mx.float32)
+    assert needed > weight_bytes(config._replace(tie_word_embeddings=True), mx.float32)
+    monkeypatch.setattr(cli, "memory_size", lambda: needed - 1)
+    monkeypatch.setattr(cli, "gpu_working_set", lambda: None)
+    with pytest.raises(cli.UserError, match="the weights need"):
+        load_model(folder, mx.float32)
+    monkeypatch.setattr(cli, "memory_size", lambda: needed)
+    load_model(folder, mx.float32)

@@ -21,6 +21,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+import cli
 import llm_inference as li
 
 THINK, END_THINK, IM_END = 151667, 151668, 151645
@@ -185,7 +186,7 @@ def test_reset_then_the_same_first_message_gives_the_same_reply(model, monkeypat
     chat = make_chat(model)
     n_prompt = len(chat.prompt_ids("One"))
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"One\n/reset\nOne\n")))
-    li.chat_loop(chat, 16, li.Sampling(), {end}, hide_think=False)
+    cli.chat_loop(chat, 16, li.Sampling(), {end}, hide_think=False)
     out, err = capsys.readouterr()
     # The printer shows the end id, an ordinary token here (<|im_end|>, being special, shows nothing).
     text = model[3].decode(before_end + [end], skip_special_tokens=True).rstrip("\ufffd")
@@ -208,18 +209,18 @@ def short_context_chat(model, context=80):
 def test_a_message_refused_as_too_long_leaves_the_conversation_as_it_was(model, capsys):
     chat = short_context_chat(model)
     before = [(message, list(reply)) for message, reply in chat.turns]
-    with pytest.raises(li.UserError, match="exceeds the model's 80-token context: shorten it"):
-        li.make_room(chat, "x " * 100, 10)
+    with pytest.raises(cli.UserError, match="exceeds the model's 80-token context: shorten it"):
+        cli.make_room(chat, "x " * 100, 10)
     assert chat.turns == before  # not one turn dropped on the way to the refusal
     assert capsys.readouterr().err == ""  # nor said to be
-    li.make_room(chat, "Three", 10)  # the next message goes on from the whole conversation
+    cli.make_room(chat, "Three", 10)  # the next message goes on from the whole conversation
     assert chat.turns == before
 
 
 def test_a_message_that_needs_room_drops_only_the_oldest_turns(model, capsys):
     chat = short_context_chat(model)
     need = len(chat.prompt_ids("Three"))
-    li.make_room(chat, "Three", 80 - need + 1)  # one token too many: the oldest turn goes
+    cli.make_room(chat, "Three", 80 - need + 1)  # one token too many: the oldest turn goes
     assert [message for message, _ in chat.turns] == ["Two"]
     assert "forgot the oldest 1 turn)" in capsys.readouterr().err
 
@@ -230,9 +231,9 @@ def test_a_conversation_that_fits_exactly_keeps_every_turn(model, capsys):
     chat = short_context_chat(model)
     before = list(chat.turns)
     need = len(chat.prompt_ids("Three"))
-    li.make_room(chat, "Three", 80 - need)
+    cli.make_room(chat, "Three", 80 - need)
     assert chat.turns == before and capsys.readouterr().err == ""
-    li.make_room(chat, "Three", 80 - need + 1)
+    cli.make_room(chat, "Three", 80 - need + 1)
     assert chat.turns == before[1:] and "forgot the oldest 1 turn)" in capsys.readouterr().err
 
 
@@ -240,11 +241,11 @@ def test_a_message_alone_that_fits_exactly_is_not_refused(model, capsys):
     chat = short_context_chat(model)
     chat.turns = []
     need = len(chat.prompt_ids("x " * 20))
-    li.make_room(chat, "x " * 20, 80 - need)  # fits: no error
+    cli.make_room(chat, "x " * 20, 80 - need)  # fits: no error
     assert chat.turns == [] and capsys.readouterr().err == ""
-    with pytest.raises(li.UserError, match=f"makes a {need}-token prompt; with --max-tokens "
+    with pytest.raises(cli.UserError, match=f"makes a {need}-token prompt; with --max-tokens "
                                            f"{80 - need + 1} that exceeds the model's 80-token"):
-        li.make_room(chat, "x " * 20, 80 - need + 1)
+        cli.make_room(chat, "x " * 20, 80 - need + 1)
 
 
 def test_ctrl_c_while_making_room_leaves_the_conversation_as_it_was(model, monkeypatch):
@@ -260,7 +261,7 @@ def test_ctrl_c_while_making_room_leaves_the_conversation_as_it_was(model, monke
 
     monkeypatch.setattr(chat, "prompt_ids", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        li.make_room(chat, "Three", 70)
+        cli.make_room(chat, "Three", 70)
     assert renderings == [2, 1]  # interrupted after dropping the oldest turn ...
     assert chat.turns == before  # ... which is back
 
@@ -316,7 +317,7 @@ def talk(chat, monkeypatch, data, max_tokens=2, sampling=li.Sampling()):
 
     monkeypatch.setattr(chat, "reply", reply)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
-    li.chat_loop(chat, max_tokens, sampling, {IM_END}, hide_think=False)
+    cli.chat_loop(chat, max_tokens, sampling, {IM_END}, hide_think=False)
     return sent
 
 
@@ -345,7 +346,7 @@ def test_each_reply_draws_with_its_own_seed_and_the_conversation_repeats(model, 
 
 def test_commands_ignore_case_have_aliases_and_never_reach_the_model(model, monkeypatch, capsys):
     """Only a line that is one /word is a command: /usr/bin, say, is a message."""
-    assert all(word in li.CHAT_HELP for word in ("/reset", "/exit", '"""'))
+    assert all(word in cli.CHAT_HELP for word in ("/reset", "/exit", '"""'))
     chat = make_chat(model)
     chat.turns = [("Hi", ids(model, "Hello!"))]
     data = b"/help\n/?\n/foo\n/RESET\n/Clear\n/usr/bin\n/Quit\nNever answered\n"
@@ -353,7 +354,7 @@ def test_commands_ignore_case_have_aliases_and_never_reach_the_model(model, monk
     assert [message for message, _ in sent] == ["/usr/bin"]
     assert chat.turns == sent  # /RESET forgot "Hi"
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("Turn ")]
-    assert err == [li.CHAT_HELP, li.CHAT_HELP, f"unknown command /foo: {li.CHAT_HELP}",
+    assert err == [cli.CHAT_HELP, cli.CHAT_HELP, f"unknown command /foo: {cli.CHAT_HELP}",
                    "(conversation reset)", "(conversation reset)"]
     assert sys.stdin.buffer.read() == b"Never answered\n"  # /Quit ended the chat there
 
@@ -573,7 +574,7 @@ def test_each_chat_reply_has_its_own_presence_penalty(model, monkeypatch):
     _, config, _, _ = model
     chat = make_chat(model)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"One\nOne\n")))
-    li.chat_loop(chat, 40, li.Sampling(), {IM_END}, hide_think=False,
+    cli.chat_loop(chat, 40, li.Sampling(), {IM_END}, hide_think=False,
                  new_reply=lambda: li.use_extra_sampling(0.0, 2.0, config.vocab_size))
     expected = make_chat(model)
     for message in ("One", "One"):

@@ -30,10 +30,18 @@ import mlx.core as mx
 import pytest
 from tokenizers import Tokenizer
 
+import cli
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG, write_checkpoint
+from tests.checkpoint import TINY_CONFIG, write_checkpoint, load_model, weight_bytes
 
 SCRIPT = Path(li.__file__).resolve()
+PROGRAM = (SCRIPT, Path(cli.__file__).resolve())  # the script and its companion module
+
+
+def copy_script(folder):
+    """A copy of the script, with the module it imports, in folder."""
+    for path in PROGRAM:
+        shutil.copy(path, folder / path.name)
 PROMPT = "The capital of France is"  # 5 tokens with Qwen's tokenizer
 STATS = re.compile(  # a rate is left out where there is none (no token generated; one: no decode rate)
     r"Prompt: (\d+) tokens?(?:, [\d.]+ tok/s)? \| Generated: (\d+) tokens?(?:, [\d.]+ tok/s)? \| "
@@ -87,7 +95,7 @@ def assert_one_line_error(result, code=1, *needles):
 def stderr_lines(err):
     """stderr's lines without the OpenBLAS hint, which follows the model line on a Linux CPU without
     OpenBLAS (tests/test_openblas.py checks it): the same lines on every machine."""
-    return [line for line in err.splitlines() if line != li.OPENBLAS_HINT]
+    return [line for line in err.splitlines() if line != cli.OPENBLAS_HINT]
 
 
 def parse_success(result):
@@ -124,8 +132,8 @@ class Reference:
         self.folder = folder
         self.config = li.load_config(folder)
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        self.weights = li.load_model(folder, dtype, bits)[1]
-        self.eos_ids = li.eos_token_ids(li.load_generation_config(folder), self.tokenizer)
+        self.weights = load_model(folder, dtype, bits)[1]
+        self.eos_ids = cli.eos_token_ids(cli.load_generation_config(folder), self.tokenizer)
 
     def ids(self, text):
         return self.tokenizer.encode(text).ids
@@ -187,7 +195,7 @@ def test_greedy_matches_in_process_generation(tiny_model, greedy_24, tmp_path):
     text, lines, n_prompt, n_generated = parse_success(run_cli("--model", tiny_model, "--max-tokens", 24,
                                                                cwd=tmp_path))
     assert text == greedy_24
-    dtype = str(li.pick_dtype("auto")).split(".")[-1]  # --dtype auto, by the same rule
+    dtype = str(cli.pick_dtype("auto")).split(".")[-1]  # --dtype auto, by the same rule
     assert lines[0] == ("Model: tiny-qwen3 (2 layers, 64 dim, 4 Q heads, 2 KV heads) "
                         f"on {DEVICE}, {dtype}")
     assert lines[1] == f"Prompt: {PROMPT!r} (5 tokens), greedy"
@@ -278,7 +286,7 @@ def test_dtype_bfloat16(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantize(tiny_model, greedy_24, tmp_path, bits):
-    expected = Reference(tiny_model, li.pick_dtype("auto"), bits).text(PROMPT, 24)
+    expected = Reference(tiny_model, cli.pick_dtype("auto"), bits).text(PROMPT, 24)
     text, lines, _, n_generated = parse_success(
         run_cli("--model", tiny_model, "--max-tokens", 24, "--quantize", bits, cwd=tmp_path))
     assert lines[0].endswith(f", {bits}-bit weights")
@@ -525,7 +533,7 @@ def test_model_folder_missing(tmp_path):
     assert not missing.exists()  # an explicit --model folder is never created or downloaded into
 
 
-@pytest.mark.parametrize("filename", li.NEEDED_FILES)
+@pytest.mark.parametrize("filename", cli.NEEDED_FILES)
 def test_needed_file_missing(variant, tmp_path, filename):
     folder = variant(**{filename.replace(".", "_"): None})
     line = assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, str(folder), f"lacks {filename}")
@@ -533,7 +541,7 @@ def test_needed_file_missing(variant, tmp_path, filename):
     assert not (folder / filename).exists()  # nothing was downloaded into an explicit folder
 
 
-@pytest.mark.parametrize("filename", [*li.NEEDED_FILES, "generation_config.json"])
+@pytest.mark.parametrize("filename", [*cli.NEEDED_FILES, "generation_config.json"])
 def test_file_unreadable(variant, tmp_path, filename):
     """A file that exists but cannot be read. chmod 000 does not stop root (CI runs as root), and
     /proc/self/mem is Linux's; a directory in the file's place is refused by open() or read() with
@@ -586,8 +594,8 @@ def test_chat_refuses_a_non_hybrid_template(tiny_model, variant, tmp_path, where
             tiny_model, [{"name": "default", "template": template}, {"name": "tool_use", "template": tail}]))
     else:
         folder = variant(tokenizer_config_json=tokenizer_config(tiny_model, template))
-    with pytest.raises(li.UserError, match="hybrid-thinking one that --chat writes .*; run it without --chat"):
-        li.check_chat_template(folder)
+    with pytest.raises(cli.UserError, match="hybrid-thinking one that --chat writes .*; run it without --chat"):
+        cli.check_chat_template(folder)
 
 
 def test_a_non_hybrid_template_is_refused_with_chat_only(tiny_model, variant, tmp_path):
@@ -625,10 +633,10 @@ def test_config_and_weights_disagreeing_is_said_before_the_memory_they_would_nee
 def test_weights_too_big_for_memory(tiny_model, monkeypatch):
     """Refused before any weight is read, in one line with what to try (here a machine of 10 MB: the
     tiny model's float32 weights are 39 MB; a model that big could not be built for the test)."""
-    monkeypatch.setattr(li, "memory_size", lambda: 10**7)
-    with pytest.raises(li.UserError) as error:
-        li.load_model(tiny_model, mx.float32)
-    needed = li.weight_bytes(li.load_config(tiny_model), mx.float32)
+    monkeypatch.setattr(cli, "memory_size", lambda: 10**7)
+    with pytest.raises(cli.UserError) as error:
+        load_model(tiny_model, mx.float32)
+    needed = weight_bytes(li.load_config(tiny_model), mx.float32)
     assert str(error.value) == (f"the weights need {needed / 1e9:.1f} GB as float32, but this machine has "
                                 "0.0 GB of memory; try --dtype bfloat16 (half the bytes), --quantize 4, or a "
                                 "smaller model")
@@ -711,8 +719,8 @@ def test_generation_config_value_of_the_wrong_type_or_range(tiny_model, variant,
                                                              shown):
     generation_config = json.loads((tiny_model / "generation_config.json").read_text()) | {key: value}
     folder = variant(generation_config_json=generation_config)
-    with pytest.raises(li.UserError) as error:
-        li.load_generation_config(folder)
+    with pytest.raises(cli.UserError) as error:
+        cli.load_generation_config(folder)
     message = str(error.value)
     assert message.startswith(f"{folder / 'generation_config.json'}: {key!r} should be {expected}")
     assert f"got {shown}" in message and message.endswith("; fix it or delete the file")
@@ -821,7 +829,7 @@ def test_tied_checkpoint_storing_lm_head(tmp_path, head):
     """A tied config whose file also holds lm_head.weight: a copy changes nothing; a different matrix
     is used (as transformers 5 does, tests/test_hf_parity.py) and one line says so."""
     folder = write_checkpoint(tmp_path / "m", TINY_CONFIG, tied_head=head)
-    reference = Reference(folder, li.pick_dtype("auto"))
+    reference = Reference(folder, cli.pick_dtype("auto"))
     assert (reference.weights["lm_head"] is reference.weights["embed_tokens"]) == (head == "same")
     text, lines, _, _ = parse_success(run_cli("--model", folder, "--max-tokens", 12, cwd=tmp_path))
     assert text == reference.text(PROMPT, 12)
@@ -898,7 +906,7 @@ def converted_4bit(tiny_model, checkpoints):
 
 
 def test_mlx_quantized_folder_gives_the_quantize_text(tiny_model, converted_4bit, tmp_path):
-    expected = Reference(tiny_model, li.pick_dtype("auto"), 4).text(PROMPT, 24)
+    expected = Reference(tiny_model, cli.pick_dtype("auto"), 4).text(PROMPT, 24)
     for flags in ([], ["--quantize", "4"]):  # --quantize with the folder's own bits changes nothing
         text, lines, _, _ = parse_success(run_cli("--model", converted_4bit, "--max-tokens", 24, *flags,
                                                   cwd=tmp_path))
@@ -916,9 +924,9 @@ def test_mixed_precision_folder_runs_and_says_its_bits(tiny_model, tmp_path):
     convert(hf_path=str(tiny_model), mlx_path=str(folder), quantize=True, quant_predicate="mixed_3_6",
             q_group_size=64)
     assert json.loads((folder / "config.json").read_text())["quantization"]["bits"] == 4
-    dtype = li.pick_dtype("auto")
+    dtype = cli.pick_dtype("auto")
     reference = Reference(tiny_model, dtype)
-    li.use_quantization(None, li.check_config(folder)[1])  # the folder's own bits, per matrix
+    li.use_quantization(None, cli.check_config(folder, li.Config.__annotations__))  # the folder's own bits, per matrix
     reference.weights = li.load_weights(folder, li.load_config(folder), dtype)
     text, lines, _, _ = parse_success(run_cli("--model", folder, "--max-tokens", 24, cwd=tmp_path))
     assert lines[0].endswith(", 3/6-bit weights"), lines[0]
@@ -940,7 +948,7 @@ def test_sharded_mlx_quantized_folder(tiny_model, converted_4bit, tmp_path):
         mx.save_safetensors(str(folder / shard), {name: tensors[name] for name in shard_names})
     index = {"weight_map": {name: shard for shard, shard_names in shards.items() for name in shard_names}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    expected = Reference(tiny_model, li.pick_dtype("auto"), 4).text(PROMPT, 24)
+    expected = Reference(tiny_model, cli.pick_dtype("auto"), 4).text(PROMPT, 24)
     text, _, _, _ = parse_success(run_cli("--model", folder, "--max-tokens", 24, cwd=tmp_path))
     assert text == expected
 
@@ -1022,13 +1030,13 @@ def app(tmp_path):
     """A copy of the script alone in a folder, so its default model folder is app/Qwen3-0.6B."""
     folder = tmp_path / "app"
     folder.mkdir()
-    shutil.copy(SCRIPT, folder / SCRIPT.name)
+    copy_script(folder)
     return folder
 
 
 def leftovers(app):
     """Anything a download left beside the script."""
-    return sorted(p.name for p in app.iterdir() if p.name != SCRIPT.name)
+    return sorted(p.name for p in app.iterdir() if p.name not in {path.name for path in PROGRAM})
 
 
 def downloaded(folder, finished=True):
@@ -1099,7 +1107,7 @@ class FakeHub:
 
     COMMIT = "c1899de289a04d12100db370d81485cdf75e47ca"
 
-    def __init__(self, folder, missing=(), repo=li.HF_REPO, cut=()):
+    def __init__(self, folder, missing=(), repo=cli.HF_REPO, cut=()):
         self.repo = repo
         self.files = {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
         self.files |= {"README.md": b"# A model\n", "LICENSE": b"Apache-2.0\n"}
@@ -1179,18 +1187,18 @@ def test_download_from_hub(app, tiny_model, greedy_24):
     with FakeHub(tiny_model) as hub:
         rc, out, err = run_cli("--max-tokens", 24, cwd=app, script=app / SCRIPT.name, **online(hub))
     first, rest = err.split("\n", 1)
-    total = sum(len(hub.files[name]) for name in li.MODEL_FILES)
-    assert first == f"Downloading {li.HF_REPO} (5 files, {total / 1e9:.2f} GB) into {model_dir}/"
+    total = sum(len(hub.files[name]) for name in cli.MODEL_FILES)
+    assert first == f"Downloading {cli.HF_REPO} (5 files, {total / 1e9:.2f} GB) into {model_dir}/"
     text, lines, n_prompt, n_generated = parse_success((rc, out, rest))
     assert text == greedy_24 and (n_prompt, n_generated) == (5, 24)
-    assert downloaded(model_dir) == sorted(li.MODEL_FILES)
-    for name in li.MODEL_FILES:
+    assert downloaded(model_dir) == sorted(cli.MODEL_FILES)
+    for name in cli.MODEL_FILES:
         assert (model_dir / name).read_bytes() == (tiny_model / name).read_bytes(), name
     # config.json first, alone (into a temporary folder, checked), the weights last: until they
     # have arrived, the folder does not look complete.
     gets = fetched(hub)
     assert gets[0] == "config.json" and gets[-1] == "model.safetensors", gets
-    assert sorted(gets) == sorted([*li.MODEL_FILES, "config.json"]), gets  # no README.md
+    assert sorted(gets) == sorted([*cli.MODEL_FILES, "config.json"]), gets  # no README.md
     assert leftovers(app) == ["Qwen3-0.6B"]
     # Once there, the folder is used as it is: offline is fine.
     text, _, _, _ = parse_success(run_cli("--max-tokens", 24, cwd=app, script=app / SCRIPT.name))
@@ -1206,17 +1214,17 @@ def test_download_failing_midway_never_looks_complete_and_resumes(app, tiny_mode
     model_dir = app / "Qwen3-0.6B"
     with FakeHub(tiny_model, **{failure: {"model.safetensors"}}) as hub:
         rc, out, err = run_cli(cwd=app, script=app / SCRIPT.name, **online(hub))
-    assert f"/{li.HF_REPO}/resolve/main/model.safetensors" in [path for _, path in hub.requests]
+    assert f"/{cli.HF_REPO}/resolve/main/model.safetensors" in [path for _, path in hub.requests]
     lines = err.splitlines()
-    assert lines[0].startswith(f"Downloading {li.HF_REPO} (5 files, ")
+    assert lines[0].startswith(f"Downloading {cli.HF_REPO} (5 files, ")
     # Between the two: huggingface_hub's own warnings as it retries the cut-off file.
     assert len(lines) == 2 or failure == "cut", err
     assert_one_line_error((rc, out, lines[-1] + "\n"), 1,
                           f"model folder {model_dir} not found, and could not download "
-                          f"{li.HF_REPO} (", "); run again to resume, or fetch it with: "
-                          f"{MANUAL_DOWNLOAD} {' '.join(li.MODEL_FILES)} --local-dir Qwen3-0.6B")
-    assert downloaded(model_dir, False) == sorted(set(li.MODEL_FILES) - {"model.safetensors"})
-    assert li.missing_files(downloaded(model_dir, False)) == ["model.safetensors"]
+                          f"{cli.HF_REPO} (", "); run again to resume, or fetch it with: "
+                          f"{MANUAL_DOWNLOAD} {' '.join(cli.MODEL_FILES)} --local-dir Qwen3-0.6B")
+    assert downloaded(model_dir, False) == sorted(set(cli.MODEL_FILES) - {"model.safetensors"})
+    assert cli.missing_files(downloaded(model_dir, False)) == ["model.safetensors"]
     assert leftovers(app) == ["Qwen3-0.6B"]
     # Without downloads, the folder (./Qwen3-0.6B here) is reported incomplete, not used.
     assert_one_line_error(run_cli("--no-download", cwd=app, script=app / SCRIPT.name), 1,
@@ -1225,13 +1233,13 @@ def test_download_failing_midway_never_looks_complete_and_resumes(app, tiny_mode
     with FakeHub(tiny_model) as hub:  # the weights are there now
         rc, out, err = run_cli("--max-tokens", 24, cwd=app, script=app / SCRIPT.name, **online(hub))
     first, rest = err.split("\n", 1)
-    assert first.startswith(f"Downloading {li.HF_REPO} (5 files, ")
+    assert first.startswith(f"Downloading {cli.HF_REPO} (5 files, ")
     text, _, _, n_generated = parse_success((rc, out, rest))
     assert text == greedy_24 and n_generated == 24
     # What had arrived is kept (config.json is fetched again, into a temporary folder, to check it).
     assert [name for name in fetched(hub) if name != "config.json"] == ["model.safetensors"]
-    assert downloaded(model_dir) == sorted(li.MODEL_FILES)
-    for name in li.MODEL_FILES:
+    assert downloaded(model_dir) == sorted(cli.MODEL_FILES)
+    for name in cli.MODEL_FILES:
         assert (model_dir / name).read_bytes() == (tiny_model / name).read_bytes(), name
 
 
@@ -1251,7 +1259,7 @@ def test_repo_id_is_downloaded_next_to_the_script_then_reused(app, sharded_model
     first, rest = err.split("\n", 1)
     shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     files = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             li.WEIGHTS_INDEX, *shards]
+             cli.WEIGHTS_INDEX, *shards]
     total = sum(len(hub.files[name]) for name in files)
     assert first == f"Downloading {REPO} (8 files, {total / 1e9:.2f} GB) into {app / REPO}/"
     text, _, _, n_generated = parse_success((rc, out, rest))
@@ -1259,9 +1267,9 @@ def test_repo_id_is_downloaded_next_to_the_script_then_reused(app, sharded_model
     gets = fetched(hub)
     # config.json and the index first, into a temporary folder, checked before the shards; in the
     # model folder the index comes last, after its shards: until then the folder lacks it.
-    assert gets[:2] == ["config.json", li.WEIGHTS_INDEX], gets
-    assert sorted(gets[-4:-1]) == shards and gets[-1] == li.WEIGHTS_INDEX, gets
-    assert sorted(gets) == sorted([*files, "config.json", li.WEIGHTS_INDEX]), gets  # no README.md
+    assert gets[:2] == ["config.json", cli.WEIGHTS_INDEX], gets
+    assert sorted(gets[-4:-1]) == shards and gets[-1] == cli.WEIGHTS_INDEX, gets
+    assert sorted(gets) == sorted([*files, "config.json", cli.WEIGHTS_INDEX]), gets  # no README.md
     assert downloaded(app / REPO) == sorted(files)
     for name in files:
         assert (app / REPO / name).read_bytes() == hub.files[name], name
@@ -1287,8 +1295,8 @@ def test_repo_id_failing_midway_never_looks_complete_and_resumes(app, sharded_mo
                           f"download {REPO} (", "); run again to resume, or fetch it with: "
                           f"hf download {REPO} --local-dir {REPO}")
     files = downloaded(model_dir, finished=False)
-    assert shards[0] in files and shards[1] not in files and li.WEIGHTS_INDEX not in files, files
-    assert li.missing_files(files) == ["model.safetensors"]
+    assert shards[0] in files and shards[1] not in files and cli.WEIGHTS_INDEX not in files, files
+    assert cli.missing_files(files) == ["model.safetensors"]
     assert leftovers(app) == ["someone"] and leftovers(app / "someone") == [REPO.split("/")[1]]
 
     with FakeHub(sharded_model, repo=REPO) as hub:
@@ -1299,8 +1307,8 @@ def test_repo_id_failing_midway_never_looks_complete_and_resumes(app, sharded_mo
     text, _, _, n_generated = parse_success((rc, out, rest))
     assert text == greedy_24 and n_generated == 24
     # What had arrived is kept; config.json and the index are fetched again to be checked first.
-    assert fetched(hub)[:2] == ["config.json", li.WEIGHTS_INDEX]
-    assert fetched(hub)[2:] == [*shards[1:], li.WEIGHTS_INDEX]
+    assert fetched(hub)[:2] == ["config.json", cli.WEIGHTS_INDEX]
+    assert fetched(hub)[2:] == [*shards[1:], cli.WEIGHTS_INDEX]
     assert downloaded(model_dir) == sorted(hub.files.keys() - {"README.md", "LICENSE"})
     for name in downloaded(model_dir):
         assert (model_dir / name).read_bytes() == hub.files[name], name
@@ -1342,7 +1350,7 @@ def test_the_printed_download_command_works_here_and_on_another_machine(tmp_path
     the model folder here; run from the same place in a copy elsewhere (another machine), the copy's."""
     app = tmp_path / "my app"  # a space, as in a Mac's "Application Support": the paths are quoted
     app.mkdir()
-    shutil.copy(SCRIPT, app / SCRIPT.name)
+    copy_script(app)
     cwd = app if where == "the current folder" else tmp_path / "elsewhere"
     cwd.mkdir(exist_ok=True)
     line = assert_one_line_error(run_cli("--model", REPO, "--no-download", cwd=cwd, script=app / SCRIPT.name),
@@ -1405,7 +1413,7 @@ def test_existing_folder_named_like_a_repo_id_is_never_downloaded_into(tiny_mode
     ("Qwen3-0.6B", None), ("./Qwen/Qwen3-1.7B", None), ("/models/Qwen3", None), ("a/b/c", None),
     ("../x", None), ("~/Qwen3", None)])
 def test_repo_id_or_folder(text, repo):
-    assert li.repo_id(text) == repo
+    assert cli.repo_id(text) == repo
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1483,7 +1491,7 @@ def test_mlx_quantized_repo_id(app, tiny_model, converted_4bit):
     assert first.startswith(f"Downloading {repo} (")
     text, lines, _, _ = parse_success((rc, out, rest))
     assert lines[0].endswith(", 4-bit weights")
-    assert text == Reference(tiny_model, li.pick_dtype("auto"), 4).text(PROMPT, 24)
+    assert text == Reference(tiny_model, cli.pick_dtype("auto"), 4).text(PROMPT, 24)
 
 
 @pytest.mark.parametrize("flags", [[], ["--top-probs", "3"], ["--chat", "--prompt", "Hi"]])
@@ -1513,7 +1521,7 @@ def test_the_top_probs_table_lines_up_wide_and_combining_characters(tiny_model, 
     ids = [107672, 47171, 93874, 145080, 12095]  # '领导人', 'ี่' (marks only), 'การ', '🙂', ' Paris'
     logits = mx.full((tokenizer.get_vocab_size(),), -100.0)
     logits[mx.array(ids)] = mx.array([5.0, 4.0, 3.0, 2.0, 1.0])
-    li.print_top_probs(logits, tokenizer, 5, file=sys.stdout)
+    cli.print_top_probs(logits, tokenizer, 5, file=sys.stdout)
     rows = capsys.readouterr().out.splitlines()[1:]
     assert [int(row.split()[-2]) for row in rows] == ids
     # Each row up to its (right-aligned) id, in the columns a terminal gives it (as wcwidth counts

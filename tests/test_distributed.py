@@ -40,8 +40,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+import cli
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG, write_checkpoint
+from tests.checkpoint import TINY_CONFIG, write_checkpoint, load_model
 from tests.test_cli import SCRIPT, cli_env
 
 PROMPT = "The capital of France is"
@@ -76,6 +77,7 @@ spec = json.loads(Path(sys.argv[1]).read_text())
 sys.path.insert(0, spec["root"])
 import llm_inference as li  # noqa: E402
 import mlx.core as mx  # noqa: E402
+from tests.checkpoint import load_model  # noqa: E402
 
 tokenizers, load_tokenizer = {}, li.load_tokenizer  # 2 s each: one per file and process
 
@@ -130,7 +132,7 @@ def captured(function, *args):
         os.dup2(file.fileno(), fd)
     try:
         result = function(*args)
-    except li.UserError as e:
+    except cli.UserError as e:
         result = f"error: {e}"
     finally:
         for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
@@ -193,7 +195,7 @@ if n > 1:
         model.set_dtype(mx.float32)  # scales, biases, norms; the packed integers stay uint32
         for how in ("Part 1", "as main() runs it"):
             restore()
-            config, weights, tokenizer, _ = li.load_model(folder, mx.float32, group=group)
+            config, weights, tokenizer, _ = load_model(folder, mx.float32, group=group)
             if how != "Part 1":
                 li.use_fused_kernels()
                 li.compile_model()
@@ -510,11 +512,11 @@ def test_quantization_groups_are_never_cut(folders):
     64 o_proj columns cannot give 2 processes 64 each; float, they can."""
     tiny, stored = folders["tiny"], folders["stored"]
     message = "cannot be split over {} processes (whole heads and quantization groups): use {}"
-    with pytest.raises(li.UserError) as refused:
-        li.load_model(tiny, mx.float32, bits=4, group=Group(2))
+    with pytest.raises(cli.UserError) as refused:
+        load_model(tiny, mx.float32, bits=4, group=Group(2))
     assert str(refused.value) == f"{tiny} {message.format(2, 1)}"
-    with pytest.raises(li.UserError) as refused:  # 2 key/value heads; groups of 64 allow 2
-        li.load_model(stored, mx.float32, group=Group(4))
+    with pytest.raises(cli.UserError) as refused:  # 2 key/value heads; groups of 64 allow 2
+        load_model(stored, mx.float32, group=Group(4))
     assert str(refused.value) == f"{stored} {message.format(4, '1, 2')}"
     config = li.load_config(tiny)
     assert li.can_split(config, 2) and not li.can_split(config, 2, 64)

@@ -27,7 +27,7 @@ import torch
 import transformers
 
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG
+from tests.checkpoint import TINY_CONFIG, load_model
 from tests.kernels import kernels
 
 TOL = 1e-4  # max abs logit difference; see the module docstring
@@ -96,7 +96,7 @@ def case(request, checkpoints):
     hf.generation_config.pad_token_id = 0
 
     config = li.load_config(folder)
-    weights = li.load_model(folder, mx.float32)[1]  # with the checks, and a tied but stored head
+    weights = load_model(folder, mx.float32)[1]  # with the checks, and a tied but stored head
     assert (weights["lm_head"] is not weights["embed_tokens"]) == separate_head
     tokenizer = li.load_tokenizer(folder)
     prompts = {name: tokenizer.encode(text).ids for name, text in PROMPTS.items()}

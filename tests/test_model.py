@@ -11,8 +11,9 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
+import cli
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG, write_checkpoint
+from tests.checkpoint import TINY_CONFIG, write_checkpoint, load_model, weight_bytes
 from tests.kernels import kernels
 
 CONFIGS = {  # name: (config overrides, number of weight files: 1 = model.safetensors, else shards)
@@ -147,7 +148,7 @@ def test_generate_stops_at_end_of_sequence(checkpoint):
     stop = free[5]
     stopped = tokens(li.generate(ids, weights, config, max_tokens=12, eos_ids={stop}))
     assert stopped == free[: free.index(stop) + 1]  # the end-of-sequence token is yielded, then it stops
-    assert li.eos_token_ids(li.load_generation_config(folder), tokenizer) == {151643, 151645}
+    assert cli.eos_token_ids(cli.load_generation_config(folder), tokenizer) == {151643, 151645}
 
 
 def test_tokenize_and_chat_tokens(checkpoint):
@@ -259,17 +260,17 @@ def test_weight_bytes_counts_every_tensor_once(checkpoint):
     loaded = {id(w): w for w in [weights["embed_tokens"], weights["norm"], weights["lm_head"],
                                  *(w for layer in weights["layers"] for w in layer.values())]}
     float32_bytes = sum(w.nbytes for w in loaded.values())  # the tied head is the embedding: once
-    assert li.weight_bytes(config, mx.float32) == float32_bytes
-    assert li.weight_bytes(config, mx.bfloat16) == float32_bytes // 2
+    assert weight_bytes(config, mx.float32) == float32_bytes
+    assert weight_bytes(config, mx.bfloat16) == float32_bytes // 2
 
 
 def test_memory_check_refuses_only_what_does_not_fit():
-    li.check_memory(8 * 10**9, 8 * 10**9, mx.bfloat16)  # exactly fits: runs
-    with pytest.raises(li.UserError, match=r"need 8\.0 GB as bfloat16, but this machine has 7\.9 GB of memory; "
+    cli.check_memory(8 * 10**9, 8 * 10**9, mx.bfloat16)  # exactly fits: runs
+    with pytest.raises(cli.UserError, match=r"need 8\.0 GB as bfloat16, but this machine has 7\.9 GB of memory; "
                                            r"try --quantize 4, or a smaller model"):
-        li.check_memory(8 * 10**9, 7.9e9, mx.bfloat16)
-    with pytest.raises(li.UserError, match=r"16\.4 GB as float32.*try --dtype bfloat16 \(half the bytes\), --quantize 4"):
-        li.check_memory(16.4e9, 8e9, mx.float32)
+        cli.check_memory(8 * 10**9, 7.9e9, mx.bfloat16)
+    with pytest.raises(cli.UserError, match=r"16\.4 GB as float32.*try --dtype bfloat16 \(half the bytes\), --quantize 4"):
+        cli.check_memory(16.4e9, 8e9, mx.float32)
 
 
 def test_memory_size_is_this_machines_memory():
@@ -280,16 +281,16 @@ def test_memory_size_is_this_machines_memory():
     else:
         with open("/proc/meminfo") as f:  # Linux's own count, in KiB, independent of os.sysconf
             total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
-    assert abs(li.memory_size() - total) < 0.05 * total
+    assert abs(cli.memory_size() - total) < 0.05 * total
 
 
 def test_memory_check_on_a_mac_compares_with_the_gpus_working_set():
     """Qwen3-8B in bfloat16 (16.4 GB) on a 16 GB Mac fits the memory, not the 10.7 GB its GPU may use."""
-    li.check_memory(10 * 10**9, 17.2e9, mx.bfloat16, working_set=10.7e9)  # within the working set: runs
-    with pytest.raises(li.UserError, match=r"^the weights need 16\.4 GB as bfloat16, but this Mac's GPU may use "
+    cli.check_memory(10 * 10**9, 17.2e9, mx.bfloat16, working_set=10.7e9)  # within the working set: runs
+    with pytest.raises(cli.UserError, match=r"^the weights need 16\.4 GB as bfloat16, but this Mac's GPU may use "
                                            r"only 10\.7 GB of its 17\.2 GB of memory \(Metal's recommended "
                                            r"working set\); try --quantize 4, or a smaller model$"):
-        li.check_memory(16.4e9, 17.2e9, mx.bfloat16, working_set=10.7e9)
+        cli.check_memory(16.4e9, 17.2e9, mx.bfloat16, working_set=10.7e9)
 
 
 @pytest.fixture(scope="module")
@@ -312,13 +313,13 @@ def mac(monkeypatch):
 def test_on_a_mac_weights_above_the_working_set_are_refused(tiny, mac):
     info, _ = mac
     config = li.load_config(tiny)
-    needed = li.weight_bytes(config, mx.float32)  # 39 MB
+    needed = weight_bytes(config, mx.float32)  # 39 MB
     info["max_recommended_working_set_size"] = needed - 1
-    with pytest.raises(li.UserError, match=r"this Mac's GPU may use only .*Metal's recommended working set.*"
+    with pytest.raises(cli.UserError, match=r"this Mac's GPU may use only .*Metal's recommended working set.*"
                                            r"--quantize 4"):
-        li.load_model(tiny, mx.float32)
+        load_model(tiny, mx.float32)
     info["max_recommended_working_set_size"] = needed
-    li.load_model(tiny, mx.float32)  # just fits
+    load_model(tiny, mx.float32)  # just fits
 
 
 def test_on_a_mac_weights_filling_much_of_the_working_set_are_wired(tiny, mac):
@@ -329,10 +330,10 @@ def test_on_a_mac_weights_filling_much_of_the_working_set_are_wired(tiny, mac):
                                         *(w for layer in weights["layers"] for w in layer.values())]}
     nbytes = sum(loaded.values())  # the tied head once
     info["max_recommended_working_set_size"] = 2 * nbytes + 1  # less than half: left to macOS
-    li.wire_weights(weights)
+    cli.wire_weights(weights)
     assert wired == []
     info["max_recommended_working_set_size"] = 2 * nbytes - 1  # more than half: wired up to the working set
-    li.wire_weights(weights)
+    cli.wire_weights(weights)
     assert wired == [2 * nbytes - 1]
 
 
@@ -341,8 +342,8 @@ def test_off_a_mac_nothing_is_wired(tiny, monkeypatch):
     monkeypatch.setattr(li.mx, "default_device", lambda: mx.cpu)
     monkeypatch.setattr(li.mx, "set_wired_limit", lambda limit: wired.append(limit) or 0)
     config = li.load_config(tiny)
-    li.wire_weights(li.load_weights(tiny, config, mx.float32))
-    assert wired == [] and li.gpu_working_set() is None
+    cli.wire_weights(li.load_weights(tiny, config, mx.float32))
+    assert wired == [] and cli.gpu_working_set() is None
 
 
 # ---- load_model's checks of a folder whose files do not belong together --------------------------
@@ -359,8 +360,8 @@ def test_a_config_with_fewer_layers_than_the_weights_is_refused(tiny, tmp_path):
     """config.json says 1 layer, the file holds 2: every tensor Part 1 loads is there, but layer 1's
     would be silently ignored, giving a different model. Refused, naming one of them."""
     folder = copy_with_config(tiny, tmp_path / "m", num_hidden_layers=1)
-    with pytest.raises(li.UserError) as error:
-        li.load_model(folder, mx.float32)
+    with pytest.raises(cli.UserError) as error:
+        load_model(folder, mx.float32)
     message = str(error.value)
     assert "\n" not in message
     assert message.startswith(f"{folder / 'model.safetensors'} holds 11 tensors that config.json "
@@ -373,8 +374,8 @@ def test_a_tensor_config_json_does_not_describe_is_refused(tiny, tmp_path):
     tensors = mx.load(str(folder / "model.safetensors"))
     tensors["model.layers.0.mlp.extra.weight"] = mx.zeros((4,), mx.bfloat16)
     mx.save_safetensors(str(folder / "model.safetensors"), tensors, metadata={"format": "pt"})
-    with pytest.raises(li.UserError) as error:
-        li.load_model(folder, mx.float32)
+    with pytest.raises(cli.UserError) as error:
+        load_model(folder, mx.float32)
     message = str(error.value)
     assert "\n" not in message and "does not match" in message
     assert message.startswith(f"{folder / 'model.safetensors'} holds 1 tensor that config.json "
@@ -387,8 +388,8 @@ def test_a_tokenizer_larger_than_the_embedding_table_is_refused(tmp_path):
     folder = write_checkpoint(tmp_path / "m", TINY_CONFIG | {"vocab_size": 1000})
     n_tokens = li.load_tokenizer(folder).get_vocab_size(with_added_tokens=True)
     assert n_tokens == 151669
-    with pytest.raises(li.UserError) as error:
-        li.load_model(folder, mx.float32)
+    with pytest.raises(cli.UserError) as error:
+        load_model(folder, mx.float32)
     assert str(error.value) == (f"{folder / 'tokenizer.json'} has 151669 tokens, but the embedding "
                                 "table has only 1000 rows (vocab_size): not one model's files")
 
@@ -398,8 +399,8 @@ def test_a_tokenizer_larger_than_the_embedding_table_is_refused(tmp_path):
                          ids=["no stored head", "an exact copy", "a different matrix"])
 def test_stored_head_differs_only_for_a_different_matrix(tmp_path, head, differs, shards):
     folder = write_checkpoint(tmp_path / "m", TINY_CONFIG, tied_head=head, shards=shards)
-    assert li.stored_head_differs(folder) is differs
-    _, weights, _, _ = li.load_model(folder, mx.float32)
+    assert cli.stored_head_differs(folder) is differs
+    _, weights, _, _ = load_model(folder, mx.float32)
     if differs:  # the stored head is used, as transformers 5 uses it
         stored = stored_tensors(folder)["lm_head.weight"].astype(mx.float32)
         assert weights["lm_head"] is not weights["embed_tokens"]

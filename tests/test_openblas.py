@@ -18,6 +18,7 @@ import sys
 import numpy as np
 import pytest
 
+import cli
 import llm_inference as li
 from tests.test_cli import PROMPT, SCRIPT, cli_env, parse_success, run_cli
 
@@ -31,7 +32,7 @@ MAPS = "(open('/proc/self/maps') if sys.platform == 'linux' else [])"
 def in_subprocess(code, tmp_path, blas, *args, first=""):
     """Run `first`, `import llm_inference`, then `code` in a fresh Python; returns its stdout as JSON."""
     program = (f"import json, sys\n{first}\nsys.path.insert(0, {str(SCRIPT.parent)!r})\n"
-               f"import llm_inference as li\n{code}")
+               f"import llm_inference as li\nimport cli\n{code}")
     proc = subprocess.run([sys.executable, "-c", program, *args], cwd=tmp_path, capture_output=True, timeout=120,
                           env=cli_env(tmp_path / ".hf-home", LLM_INFERENCE_BLAS=SWITCHES[blas]))
     assert proc.returncode == 0, proc.stderr.decode()
@@ -41,8 +42,8 @@ def in_subprocess(code, tmp_path, blas, *args, first=""):
 @pytest.mark.parametrize("blas", SWITCHES)
 def test_openblas_is_loaded_exactly_when_installed_and_not_switched_off(tmp_path, blas):
     maps = f"[line.split()[-1] for line in {MAPS} if 'openblas' in line]"
-    state = in_subprocess(f"print(json.dumps(dict(flag=li.OPENBLAS, cpu_wheel=li.MLX_CPU_WHEEL, "
-                          f"mapped={maps}, auto=str(li.pick_dtype('auto')))))", tmp_path, blas)
+    state = in_subprocess(f"print(json.dumps(dict(flag=cli.OPENBLAS, cpu_wheel=cli.MLX_CPU_WHEEL, "
+                          f"mapped={maps}, auto=str(cli.pick_dtype('auto')))))", tmp_path, blas)
     expected = INSTALLED and blas == "default"
     assert state["cpu_wheel"] == CPU_WHEEL
     assert state["flag"] == expected
@@ -53,7 +54,7 @@ def test_openblas_is_loaded_exactly_when_installed_and_not_switched_off(tmp_path
 
 def test_loading_after_mlx_does_not_count(tmp_path):
     # Once MLX is loaded, its products are bound to the bundled BLAS: the flag must not claim OpenBLAS.
-    code = f"print(json.dumps([li.OPENBLAS, [line for line in {MAPS} if 'openblas' in line]]))"
+    code = f"print(json.dumps([cli.OPENBLAS, [line for line in {MAPS} if 'openblas' in line]]))"
     assert in_subprocess(code, tmp_path, "default", first="import mlx.core") == [False, []]
 
 
@@ -69,7 +70,7 @@ def test_hint_and_auto_dtype_on_the_command_line(tiny_model, tmp_path, blas):
     assert lines[0].endswith(f" on {device}, {dtype}"), lines[0]
     hints = [line for line in lines if "OpenBLAS" in line]
     if CPU_WHEEL and not used:  # once, right under the model line, naming the install command
-        assert hints == [lines[1]] == [li.OPENBLAS_HINT]
+        assert hints == [lines[1]] == [cli.OPENBLAS_HINT]
         assert "sudo apt-get install libopenblas0-pthread" in lines[1]
     else:
         assert hints == []
@@ -82,7 +83,7 @@ def test_same_text_and_logits_with_and_without_openblas(tiny_model, tmp_path):
             "weights = li.load_weights(folder, config, mx.float32)\n"
             "ids = mx.array(li.tokenize(li.load_tokenizer(folder), " + repr(PROMPT * 8) + "))\n"
             "logits = li.forward(ids, weights, config, li.make_cache(config), last_only=False)\n"
-            "mx.save(sys.argv[-1], logits)\nprint(json.dumps(li.OPENBLAS))")
+            "mx.save(sys.argv[-1], logits)\nprint(json.dumps(cli.OPENBLAS))")
     assert [in_subprocess(code, tmp_path, blas, f"{blas}.npy") for blas in SWITCHES] == [INSTALLED, False]
     on, off = (np.load(tmp_path / f"{blas}.npy") for blas in SWITCHES)  # (40, 151936)
     assert on.shape == off.shape and on.shape[0] > 1
@@ -97,5 +98,5 @@ def test_same_text_and_logits_with_and_without_openblas(tiny_model, tmp_path):
 def test_a_library_that_fails_to_load_is_no_error(tmp_path):
     # What a machine without OpenBLAS sees, on any machine: opening it raises OSError.
     first = "import ctypes\ndef absent(*args, **kwargs): raise OSError('not found')\nctypes.CDLL = absent"
-    code = "import mlx.core as mx\nprint(json.dumps([li.OPENBLAS, (mx.ones((2, 3)) @ mx.ones((3, 2))).tolist()]))"
+    code = "import mlx.core as mx\nprint(json.dumps([cli.OPENBLAS, (mx.ones((2, 3)) @ mx.ones((3, 2))).tolist()]))"
     assert in_subprocess(code, tmp_path, "default", first=first) == [False, [[3.0, 3.0], [3.0, 3.0]]]

@@ -8,8 +8,9 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load as mlx_lm_load
 
+import cli
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG
+from tests.checkpoint import TINY_CONFIG, load_model, weight_bytes
 
 CONFIGS = {"tied": TINY_CONFIG, "untied": TINY_CONFIG | {"tie_word_embeddings": False}}
 MATRICES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -39,7 +40,7 @@ def load_quantized(folder, config, dtype, bits=None):
     load_tensor is put back afterwards, so that a later load in the same test reads floats again
     (linear() and embed() stay replaced: they take plain arrays too)."""
     as_before = li.load_tensor
-    li.use_quantization(bits, li.check_config(folder)[1])
+    li.use_quantization(bits, cli.check_config(folder, li.Config.__annotations__))
     try:
         return li.load_weights(folder, config, dtype)
     finally:
@@ -144,7 +145,7 @@ def equal_weights(a, b):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_load_model_with_bits_loads_what_load_quantized_loads(folder, bits):
     """--quantize: load_model() makes section 16's replacements itself, with the same weights."""
-    config, weights, _, _ = li.load_model(folder, mx.float32, bits)
+    config, weights, _, _ = load_model(folder, mx.float32, bits)
     expected = load_quantized(folder, config, mx.float32, bits)
     assert isinstance(weights["embed_tokens"], li.Quantized)
     assert (weights["lm_head"] is weights["embed_tokens"]) == config.tie_word_embeddings
@@ -201,7 +202,7 @@ def test_memory_check_counts_the_quantized_bytes(folder, bits, dtype):
     loaded = {id(w): w for w in [weights["embed_tokens"], weights["norm"], weights["lm_head"],
                                  *(w for layer in weights["layers"] for w in layer.values())]}
     arrays = [a for w in loaded.values() for a in (w[:3] if isinstance(w, li.Quantized) else [w])]
-    assert li.weight_bytes(config, dtype, bits) == sum(a.nbytes for a in arrays)
+    assert weight_bytes(config, dtype, bits) == sum(a.nbytes for a in arrays)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -275,12 +276,12 @@ def test_load_model_reads_a_stored_folder_and_counts_its_bytes(stored, dtype, mo
     _, out, _ = stored
     direct = load_quantized(out, li.load_config(out), dtype)
     needed = loaded_bytes(direct)
-    monkeypatch.setattr(li, "gpu_working_set", lambda: None)
-    monkeypatch.setattr(li, "memory_size", lambda: needed - 1)
-    with pytest.raises(li.UserError, match="the weights need"):
-        li.load_model(out, dtype)
-    monkeypatch.setattr(li, "memory_size", lambda: needed)
-    config, weights, _, _ = li.load_model(out, dtype)
+    monkeypatch.setattr(cli, "gpu_working_set", lambda: None)
+    monkeypatch.setattr(cli, "memory_size", lambda: needed - 1)
+    with pytest.raises(cli.UserError, match="the weights need"):
+        load_model(out, dtype)
+    monkeypatch.setattr(cli, "memory_size", lambda: needed)
+    config, weights, _, _ = load_model(out, dtype)
     assert config == li.load_config(out)
     for key in ("embed_tokens", "norm", "lm_head"):
         assert equal_weights(weights[key], direct[key]), key
