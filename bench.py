@@ -340,7 +340,7 @@ def main():
         model_dir = Path("Qwen3-0.6B")
         if args.model and not args.tiny:  # a folder, or a repo id, downloaded once as the CLI does
             try:
-                model_dir = cli.find_model(args.model, allow_download=True)
+                model_dir = cli.find_model(args.model, True, li.Config.__annotations__)
             except cli.UserError as e:
                 sys.exit(f"bench.py: error: {e}")
         if args.tiny or not (model_dir / "config.json").exists():
@@ -444,7 +444,7 @@ def distributed_model_dir(args, group, tmp):
     else ./Qwen3-0.6B, else random weights that each process writes for itself (the same ones)."""
     model_dir = Path("Qwen3-0.6B")
     if args.model and not args.tiny:
-        model_dir = cli.find_model(args.model, allow_download=group.size() == 1)
+        model_dir = cli.find_model(args.model, group.size() == 1, li.Config.__annotations__)
     if args.tiny or not (model_dir / "config.json").exists():
         from tests.checkpoint import TINY_CONFIG, write_checkpoint
 

@@ -8,9 +8,20 @@ mistake with one line. It imports nothing from llm_inference.py: its functions t
 need as arguments.
 """
 
+import argparse
+import contextlib
 import ctypes
+import errno
+import json
+import math
 import os
+import re
+import shlex
+import signal
 import sys
+import tempfile
+import time
+import unicodedata
 from pathlib import Path
 
 # MLX's Linux CPU wheel (mlx-cpu, its libraries in mlx_cpu.libs/) does float32 matrix products by
@@ -28,19 +39,7 @@ except OSError:  # not installed: OPENBLAS_HINT says how to install it
 OPENBLAS_HINT = ("Hint: this CPU runs float32 faster with OpenBLAS, which this script uses once "
                  "installed: sudo apt-get install libopenblas0-pthread")
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import errno  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
-import shlex  # noqa: E402
-import signal  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import unicodedata  # noqa: E402
-
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx  # noqa: E402 (after the preload)
 from tokenizers.decoders import DecodeStream  # noqa: E402
 
 HF_REPO = "Qwen/Qwen3-0.6B"
@@ -61,8 +60,7 @@ class SharedError(UserError):
 
 @contextlib.contextmanager
 def reading(path, fix="re-download it"):
-    """Inside this block, a file that cannot be read or parsed ends in one line that names it and
-    says how to fix it, with the reason MLX, json or tokenizers gave."""
+    """A file that cannot be read or parsed in this block: one line, naming it, with the reason."""
     try:
         yield
     except UserError:
@@ -185,18 +183,12 @@ def tensor_shapes(config, layer_shapes):
 
 
 def check_weights(model_dir, config, stored, layer_shapes):
-    """Check that the weight files hold every tensor Part 1 needs, with its shape and a dtype it
-    reads, and none that config.json does not describe. mx.load reads only the files' headers
-    (it is lazy), and refuses a file that ends before its last tensor. Returns config, untied when
-    the checkpoint stores an LM head of its own (stored_head_differs)."""
+    """Every tensor Part 1 needs, with its shape and a dtype it reads, and none config.json does
+    not describe (mx.load reads only the headers). Returns config, untied for a head of its own."""
     files, tensors, model_dir = weight_files(model_dir), {}, Path(model_dir)
-    with reading(model_dir / WEIGHTS_INDEX):  # a name too long, say
-        missing = [path.name for path in files if not path.exists()]
-    if missing:
-        raise UserError(f"{model_dir} lacks {missing[0]}, one of the {len(files)} shards named in "
-                        f"{WEIGHTS_INDEX} ({len(missing)} missing); re-download it")
     for path in files:
         with reading(path):
+            path.open("rb").close()  # the OS's reason (no such file, a directory): MLX's is vaguer
             tensors |= {name: (path, tensor) for name, tensor in mx.load(str(path)).items()}
     where = files[0] if len(files) == 1 else f"the sharded checkpoint {model_dir}"
     first = next(iter(layer_shapes))
@@ -204,7 +196,8 @@ def check_weights(model_dir, config, stored, layer_shapes):
         if f"model.layers.{i}.{first}" not in tensors:
             raise UserError(f"{where} lacks the tensor 'model.layers.{i}.{first}'")
     floats = (mx.bfloat16, mx.float16, mx.float32)
-    expected = {name: (shape, floats) for name, shape in tensor_shapes(config, layer_shapes).items()}
+    shapes = tensor_shapes(config, layer_shapes)
+    expected = {name: (shape, floats) for name, shape in shapes.items()}
     if "lm_head.weight" in tensors:  # a tied checkpoint's extra head may be used (below)
         expected["lm_head.weight"] = ((config.vocab_size, config.hidden_size), floats)
     for name, ((rows, *columns), _) in list(expected.items()):
@@ -276,16 +269,15 @@ def check_tokenizer(tokenizer, config, model_dir):
 
 
 def check_ids(ids, config):
-    """Refuse token ids the embedding table has no row for (embed() would read outside it): an
-    edited tokenizer.json can give them, which its size alone (checked at load) does not show."""
+    """Refuse ids past the embedding table (embed() would read outside it): an edited tokenizer."""
     if ids and max(ids) >= config.vocab_size:
         raise UserError(f"tokenizer.json gave the token id {max(ids)}, but the embedding table has "
                         f"only {config.vocab_size} rows (vocab_size): not one model's files")
 
 
 def check_chat_template(model_dir):
-    """--chat writes Qwen3's hybrid-thinking format (section 18). Qwen3-2507 Instruct and Thinking
-    were trained on others: their templates lack its enable_thinking switch."""
+    """--chat writes Qwen3's hybrid-thinking format (section 18); Qwen3-2507 models' templates
+    lack its enable_thinking switch."""
     path = Path(model_dir) / "chat_template.jinja"  # newer checkpoints keep it in its own file
     with reading(path):
         template = path.read_text(encoding="utf-8") if path.is_file() else None
@@ -316,9 +308,8 @@ def check_split(model_dir, config, n, bits, stored, can_split):
 # --- Memory: will the weights fit? ----------------------------------------------------------------
 
 def weight_bytes(shapes, dtype, quantizable, bits=None, group_size=GROUP_SIZE, stored=None):
-    """The bytes the weights of these shapes (tensor_shapes) take once loaded. Quantized (section
-    16), a matrix takes `bits` per weight plus a scale and a bias per group; stored: config.json's
-    "quantization", whose settings for a matrix (mixed precision) win."""
+    """The bytes the weights of these shapes take once loaded, quantized to bits (section 16) or
+    as stored ("quantization": its settings for a matrix, mixed precision, win)."""
     total = 0
     for name, shape in shapes.items():
         n, how = math.prod(shape), (stored or {}).get(name.removesuffix(".weight"))
@@ -337,8 +328,8 @@ def memory_size():
 
 
 def gpu_working_set():
-    """On a Mac, the memory Metal recommends its GPU use at most (2/3 to 3/4 of it): beyond, the
-    weights are paged in and out on every token. None elsewhere (CUDA and the CPU have no such)."""
+    """On a Mac, the most memory Metal recommends its GPU use (2/3 to 3/4): beyond, weights page
+    in and out on every token. None elsewhere."""
     if mx.default_device() == mx.gpu:
         return mx.device_info().get("max_recommended_working_set_size")
 
@@ -366,9 +357,8 @@ def check_fit(config, layer_shapes, dtype, bits, stored, quantizable):
 
 
 def wire_weights(weights):
-    """On a Mac, keep weights that fill more than half the GPU's working set resident ("wired"),
-    as mlx-lm does: every token reads all of them. Set once, before anything is queued (MLX asks
-    that the limit not change while work is queued)."""
+    """On a Mac, keep weights that fill over half the GPU's working set resident ("wired"), as
+    mlx-lm does; set before anything is queued (MLX asks that it not change while work is)."""
     from mlx.utils import tree_flatten  # only this Mac step needs it
 
     arrays = {id(a): a for _, a in tree_flatten(weights) if isinstance(a, mx.array)}  # tied: once
@@ -378,8 +368,7 @@ def wire_weights(weights):
 
 
 def pick_dtype(name):
-    """'auto' = bfloat16 on a GPU; float32 on the CPU, where MLX runs bfloat16 products through
-    its own slower loops, with or without OpenBLAS (docs/platforms.md)."""
+    """'auto': bfloat16 on a GPU; float32 on the CPU, where bfloat16 is slow (docs/platforms.md)."""
     if name == "auto":
         return mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     return getattr(mx, name)
@@ -431,8 +420,7 @@ def eos_token_ids(generation_config, tokenizer):
 # --- Finding the model: a folder, or a Hugging Face repo id downloaded once into a folder ---------
 
 def repo_id(text):
-    """'owner/name' as Hugging Face spells repo ids, also pasted as a huggingface.co address or
-    with a trailing slash; None for anything else."""
+    """'owner/name', also from a huggingface.co address or with a trailing slash; else None."""
     address = re.match(r"https?://(?:www\.)?huggingface\.co/([^/?#]+/[^/?#]+)", text)
     text = address.group(1) if address else text.rstrip("/")
     return text if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", text) else None
@@ -454,8 +442,7 @@ def download_command(repo, model_dir):
 
 
 def missing_files(names):
-    """The NEEDED_FILES not among these file names; a sharded checkpoint's index stands in for
-    model.safetensors (check_weights then checks its shards)."""
+    """The NEEDED_FILES not among these names (a shard index stands in for model.safetensors)."""
     return [name for name in NEEDED_FILES if name not in names
             and not (name == "model.safetensors" and WEIGHTS_INDEX in names)]
 
@@ -735,14 +722,13 @@ def check_prompt(prompt_ids, config, max_new, trace):
                   f"the prompt has {plural(len(prompt_ids), 'token')}", fix)
 
 
-# --- Terminal output: the header, a reply as it comes, tables, the statistics line ----------------
+# --- Terminal output: the header, a reply as it comes, tables, the statistics line -------------
 
 def print_header(model_dir, config, n, dtype, weights, how, prompt=None, n_prompt=0):
-    """Model: ... (and a hint, on a Linux CPU without OpenBLAS), then Prompt: ... unless chatting."""
-    from mlx.utils import tree_flatten
-
-    c, bits = config, {getattr(w, "bits", None) for _, w in tree_flatten(weights)}
-    bits = "/".join(map(str, sorted(bits - {None})))
+    """Model: ... (a hint on a Linux CPU without OpenBLAS), then Prompt: ... unless chatting."""
+    c, matrices = config, [weights["embed_tokens"], weights["lm_head"],
+                           *(w for layer in weights["layers"] for w in layer.values())]
+    bits = "/".join(map(str, sorted({w.bits for w in matrices if hasattr(w, "bits")})))
     print(f"Model: {Path(model_dir).resolve().name} ({c.num_hidden_layers} layers, "
           f"{c.hidden_size} dim, {c.num_attention_heads * n} Q heads, "
           f"{c.num_key_value_heads * n} KV heads) on "
@@ -757,14 +743,12 @@ def print_header(model_dir, config, n, dtype, weights, how, prompt=None, n_promp
 
 
 def rate(n, seconds):
-    """', 12.3 tok/s', or nothing when no token was timed (a decode rate counts the tokens after
-    the first: one token gives none)."""
+    """', 12.3 tok/s', or nothing when no token was timed."""
     return f", {n / seconds:.1f} tok/s" if n > 0 and seconds > 0 else ""
 
 
 def shown(text):
-    """A token or text in quotes, escapes as Python writes them, but emoji kept whole (their
-    zero-width joiners are no escape)."""
+    """Text in quotes, escaped as Python does, but emoji whole (their zero-width joiners too)."""
     return repr(text).replace("\\u200d", "\u200d")
 
 
@@ -787,9 +771,8 @@ def print_top_probs(logits, tokenizer, n, file=None):
 
 
 class ReplyPrinter:
-    """Writes a reply to stdout as its tokens arrive. On a terminal, Qwen3's <think>...</think>
-    reasoning is dimmed; hide_think shows a "thinking... (N tokens)" line instead, on stderr.
-    In a pipe or a file the text is written as it is, without colour codes."""
+    """Writes a reply to stdout as it comes; on a terminal <think>...</think> is dimmed, or, with
+    hide_think, a "thinking… (N tokens)" line on stderr stands for it."""
 
     DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 
@@ -933,9 +916,8 @@ def read_message(interactive, group=None):
 
 
 def make_room(chat, message, max_tokens):
-    """Forget the oldest turns until the conversation, the new message and a whole reply fit in
-    the context, and say so. A message too long even alone is a UserError, and leaves the
-    conversation as it was. Once the context is full, every turn prefills it all again."""
+    """Forget the oldest turns until the conversation, the message and a whole reply fit in the
+    context, and say so; a message too long alone is a UserError, the conversation untouched."""
     context, turns, dropped = chat.config.max_position_embeddings, chat.turns, 0
     ids = chat.prompt_ids(message)
     check_ids(ids, chat.config)
@@ -970,10 +952,8 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda:
     if interactive:
         if hasattr(sys.stdin, "reconfigure"):  # bytes not UTF-8 then reach as_text: one line
             sys.stdin.reconfigure(errors="surrogateescape")
-        try:
+        with contextlib.suppress(ImportError):  # not on every platform; input() works without
             import readline  # noqa: F401 (importing it is what gives input() editing and history)
-        except ImportError:  # not on every platform; input() still works without
-            pass
     turn = 0
     while True:
         try:
@@ -1033,10 +1013,8 @@ def share(text, group):
 
 
 def join(group):
-    """Run as one of the group's processes. Process 0 reads the input, for all (mlx.launch sends
-    stdin to every process: read_prompt and read_message share it), and prints; the others print
-    only their own errors, and die at once on Ctrl-C: generating in step, no process can stop a
-    reply alone."""
+    """Process 0 reads the input for all (read_prompt, read_message) and prints; the others print
+    only their own errors, and die at once on Ctrl-C (in step, none can stop a reply alone)."""
     if group.rank() == 0:
         signal.signal(signal.SIGINT, lambda *_: sys.exit(print("\nInterrupted.", file=sys.stderr)
                                                          or 130))

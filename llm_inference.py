@@ -1,9 +1,8 @@
-"""How an LLM really generates text: Qwen3 from its released files, with MLX, in one file.
+"""How an LLM really generates text: Qwen3 from its released files, with MLX.
 
 Part 1, the model, is the first read: at the end of generate() you have seen all of it. Part 2
-goes further, in optional sections that build on Part 1. main(), at the end, wires them into the
-command `python llm_inference.py`. The program around it (checks of the model folder, the
-download, flags, terminal output, the chat loop) lives in cli.py, which you never need to read.
+goes further, in optional sections that build on Part 1; main() wires both into the command. The
+program around them (checks, download, flags, terminal output) is cli.py: no need to read it.
 
     "The capital of France is"
       1. load       config.json, model.safetensors, tokenizer.json
@@ -37,11 +36,10 @@ from tokenizers import Tokenizer
 # PART 1: THE MODEL
 # ================================================================================================
 #
-# Plain functions, and exactly what `--reference-ops` runs. Part 2 has other versions of ten of
-# them, and main() swaps those in by name before loading the weights (Part 2's replace()):
-# load_tensor, linear and embed (quantized weights, section 16), rms_norm, apply_rope and attend
-# (fused kernels, 12), silu_gate (compilation, 13), sample (more sampling controls, 17), and
-# load_tensor, attention and swiglu (several machines, 20). Part 1 calls them by these names.
+# Plain functions, exactly what --reference-ops runs. main() swaps in Part 2's versions of ten of
+# them, by name (Part 2's replace()): load_tensor, linear and embed (quantization, section 16),
+# rms_norm, apply_rope and attend (fused kernels, 12), silu_gate (compilation, 13), sample (more
+# sampling controls, 17), and load_tensor, attention and swiglu (several machines, 20).
 
 # --- 1. Load: the hyper-parameters from config.json, the weights from *.safetensors ---------------
 
@@ -225,9 +223,7 @@ class KVCache:
 
     def __init__(self):
         self.keys = self.values = None  # (1, 8, capacity, 128), preallocated, written in place
-        # Positions filled. It advances when a step is recorded (update_and_fetch), not when MLX
-        # computes it: generate() records a step before the one it waits for has run.
-        self.offset = 0
+        self.offset = 0  # positions filled; it advances when a step is recorded, not computed
 
     def update_and_fetch(self, k, v):
         """Store k, v (1, 8, seq, 128) at positions offset, offset+1, ...; return all so far."""

@@ -317,7 +317,7 @@ def talk(chat, monkeypatch, data, max_tokens=2, sampling=li.Sampling()):
 
     monkeypatch.setattr(chat, "reply", reply)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
-    cli.chat_loop(chat, max_tokens, sampling, {IM_END}, hide_think=False)
+    assert cli.chat_loop(chat, max_tokens, sampling, {IM_END}, hide_think=False) == 0  # end of input, /exit
     return sent
 
 
@@ -530,12 +530,14 @@ def test_top_p_keeps_tokens_tied_with_the_last_one_kept():
 
 def test_presence_penalty_lowers_each_picked_token_once():
     logits = mx.array([2.0, 1.5, 1.0, 0.0])
-    li.use_extra_sampling(0.0, 0.8, 4)  # greedy, remembering what it picked
+    new_reply = li.use_extra_sampling(0.0, 0.8, 4)  # greedy, remembering what it picked
+    sample = li.sample
     picked = [li.sample(logits, li.Sampling(), mx.random.key(0)).item() for _ in range(4)]
     # 2.0 - 0.8 < 1.5, then 1.5 - 0.8 < 1.2, then both penalised once, however often picked.
     assert picked == [0, 1, 0, 0]
-    li.use_extra_sampling(0.0, 0.8, 4)  # called again (before the next reply): it starts afresh
-    assert li.sample(logits, li.Sampling(), mx.random.key(0)).item() == 0
+    new_reply()  # before the next reply: it starts afresh, the same sampler
+    assert li.sample is sample
+    assert [li.sample(logits, li.Sampling(), mx.random.key(0)).item() for _ in range(2)] == [0, 1]
 
 
 def penalised_from_scratch(model, prompt, penalty, n, seen=()):
@@ -574,8 +576,8 @@ def test_each_chat_reply_has_its_own_presence_penalty(model, monkeypatch):
     _, config, _, _ = model
     chat = make_chat(model)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"One\nOne\n")))
-    cli.chat_loop(chat, 40, li.Sampling(), {IM_END}, hide_think=False,
-                 new_reply=lambda: li.use_extra_sampling(0.0, 2.0, config.vocab_size))
+    new_reply = li.use_extra_sampling(0.0, 2.0, config.vocab_size)
+    assert cli.chat_loop(chat, 40, li.Sampling(), {IM_END}, hide_think=False, new_reply=new_reply) == 0
     expected = make_chat(model)
     for message in ("One", "One"):
         reply = penalised_from_scratch(model, expected.prompt_ids(message), 2.0, 40)

@@ -25,6 +25,7 @@ import pytest
 import cli
 import llm_inference as li
 from tests.test_cli import (  # noqa: F401 (fixtures)
+    ERROR_PREFIX,
     SCRIPT,
     Reference,
     assert_one_line_error,
@@ -505,9 +506,10 @@ def test_chat_max_tokens_leaving_no_room_for_a_message_is_refused_at_start(tiny_
     """Before: every message was refused ("shorten it") and the chat ended with exit code 0."""
     config = json.loads((tiny_model / "config.json").read_text()) | {"max_position_embeddings": 16}
     folder = variant("short-context", config_json=config)
-    assert_one_line_error(run_cli("--model", folder, "--chat", "--max-tokens", max_tokens, cwd=tmp_path,
-                                  stdin=b"Hi\n"), 1, f"--max-tokens {max_tokens} leaves no room for a message",
-                          "16-token context", "lower --max-tokens")
+    result = run_cli("--model", folder, "--chat", "--max-tokens", max_tokens, cwd=tmp_path, stdin=b"Hi\n")
+    assert_one_line_error(result, 1)
+    assert result[2] == (f"{ERROR_PREFIX}the chat format takes 8 tokens, and a message at least one; with "
+                         f"--max-tokens {max_tokens} that exceeds the model's 16-token context: lower --max-tokens\n")
 
 
 def test_chat_max_tokens_leaving_room_for_a_short_message_runs(tiny_model, variant, tmp_path):

@@ -77,6 +77,12 @@ def run_cli(*args, cwd, stdin=b"", script=SCRIPT, timeout=120, **env):
     return proc.returncode, proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8")
 
 
+def unreadable(path, fix="re-download it"):
+    """The two ends of cli.reading's line for a file that cannot be read or parsed:
+    'cannot read PATH (REASON); FIX', REASON being the OS's or the library's."""
+    return f"cannot read {path} (", f"); {fix}"
+
+
 def assert_one_line_error(result, code=1, *needles):
     """Exit `code`, nothing on stdout, exactly one line on stderr that names the problem."""
     rc, out, err = result
@@ -463,7 +469,7 @@ def test_help_says_what_each_dtype_costs(tmp_path):
     rc, out, err = run_cli("--help", cwd=tmp_path)
     assert rc == 0 and err == ""
     dtype = " ".join(out.split("--dtype {auto,bfloat16,float16,float32}")[-1].split())
-    assert "M1/M2 Macs have no bfloat16 arithmetic: float16 runs faster there" in dtype
+    assert "M1/M2 Macs have no bfloat16 arithmetic: float16 can run faster there (docs/platforms.md)" in dtype
     assert "Qwen3 can overflow it" in dtype
     assert "On CUDA and M5 Macs, MLX multiplies float32 with TF32 (less precise) unless MLX_ENABLE_TF32=0" in dtype
 
@@ -504,10 +510,10 @@ BAD_FLAGS = [
     (["--max-tokens", "2.5"], ["--max-tokens", "2.5"]),
     (["--seed", "abc"], ["--seed", "abc"]),
     (["--seed", "-1"], ["--seed", "-1"]),
-    (["--temperature", "nan"], ["--temperature", "finite"]),
+    (["--temperature", "nan"], ["argument --temperature: must be 0 (greedy) or at least 0.0001, got nan"]),
     (["--temperature", "1e-45"],  # printed token 0
      ["--temperature", "must be 0 (greedy) or at least 0.0001, got 1e-45"]),
-    (["--top-p", "inf"], ["--top-p", "finite"]),
+    (["--top-p", "inf"], ["argument --top-p: must be a number in (0, 1], got inf"]),
     (["--top-probs", "0"], ["--top-probs", "0"]),
     (["--dtype", "int8"], ["--dtype", "int8"]),
     (["--quantize", "3"], ["--quantize", "3"]),
@@ -549,15 +555,17 @@ def test_file_unreadable(variant, tmp_path, filename):
     folder = variant(**{filename.replace(".", "_"): None})
     (folder / filename).mkdir()
     path = folder / filename
-    expected = {"tokenizer.json": f"{path} cannot be loaded ("}.get(filename,
-                                                                    f"cannot read {path}: ")
-    line = assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, expected)
-    assert "directory" in line, line
+    fix = "delete or re-download it" if filename == "generation_config.json" else "re-download it"
+    line = assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, *unreadable(path, fix))
+    reason = line.split(f"cannot read {path} (", 1)[1].rsplit(f"); {fix}", 1)[0]
+    assert reason.strip(), line
+    assert "directory" in reason, line
 
 
 def test_config_not_json(variant, tmp_path):
     folder = variant(config_json=b'{"model_type": "qwen3", ')
-    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, f"{folder / 'config.json'} is not valid JSON")
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, *unreadable(folder / "config.json"),
+                          "line 1 column")  # json's reason: where the text stops being JSON
 
 
 def test_config_not_qwen3(tiny_model, variant, tmp_path):
@@ -616,8 +624,7 @@ def test_chat_accepts_the_hybrid_template_as_jinja_file(tiny_model, variant, ref
 def test_chat_template_file_unreadable(variant, tmp_path):
     folder = variant(tokenizer_config_json=b"{oops")
     assert_one_line_error(run_cli("--model", folder, "--chat", cwd=tmp_path), 1,
-                          f"{folder / 'tokenizer_config.json'} is not valid JSON (",
-                          "; re-download it")
+                          *unreadable(folder / "tokenizer_config.json"), "line 1 column")
 
 
 def test_config_and_weights_disagreeing_is_said_before_the_memory_they_would_need(tiny_model, variant, tmp_path):
@@ -758,8 +765,7 @@ def test_safetensors_truncated(tiny_model, variant, tmp_path, keep):
     size = {"half": len(data) // 2, "header only": header_end, "4 bytes": 4}[keep]
     folder = variant(model_safetensors=data[:size])
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
-                          f"{folder / 'model.safetensors'} is not a readable safetensors file (",
-                          "; re-download it")
+                          *unreadable(folder / "model.safetensors"))
 
 
 @pytest.mark.parametrize("field, value", [("data_offsets", "x"), ("shape", None), ("data_offsets", [0, "end"])])
@@ -772,15 +778,13 @@ def test_safetensors_header_entry_malformed(tiny_model, variant, tmp_path, field
     folder = variant(model_safetensors=len(raw).to_bytes(8, "little") + raw + data[header_end:])
     # mx.load's message names the JSON type error, not the tensor.
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
-                          f"{folder / 'model.safetensors'} is not a readable safetensors file (",
-                          "; re-download it")
+                          *unreadable(folder / "model.safetensors"))
 
 
 def test_safetensors_garbage(variant, tmp_path):
     folder = variant(model_safetensors=bytes(range(256)) * 64)
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
-                          f"{folder / 'model.safetensors'} is not a readable safetensors file (",
-                          "; re-download it")
+                          *unreadable(folder / "model.safetensors"))
 
 
 def rewrite_weights(tiny_model, change):
@@ -831,14 +835,18 @@ def test_tied_checkpoint_storing_lm_head(tmp_path, head):
     folder = write_checkpoint(tmp_path / "m", TINY_CONFIG, tied_head=head)
     reference = Reference(folder, cli.pick_dtype("auto"))
     assert (reference.weights["lm_head"] is reference.weights["embed_tokens"]) == (head == "same")
-    text, lines, _, _ = parse_success(run_cli("--model", folder, "--max-tokens", 12, cwd=tmp_path))
-    assert text == reference.text(PROMPT, 12)
-    notes = [line for line in lines if "lm_head.weight" in line]
+    rc, out, err = run_cli("--model", folder, "--max-tokens", 12, cwd=tmp_path)
+    notes = [line for line in stderr_lines(err) if "lm_head.weight" in line]
     if head == "same":
-        assert notes == [] and len(lines) == 3
-    else:
+        assert notes == []
+    else:  # said during the checks of the folder, before the model line
         assert notes == ["Note: config.json ties the LM head to the embeddings, but the checkpoint "
                          "stores a different lm_head.weight; using it, as transformers does"]
+        assert stderr_lines(err)[0] == notes[0], err
+        err = err.replace(notes[0] + "\n", "", 1)
+    text, lines, _, _ = parse_success((rc, out, err))
+    assert text == reference.text(PROMPT, 12)
+    assert len(lines) == 3, lines
 
 
 def shard_of(folder, name):
@@ -857,9 +865,11 @@ def test_shard_missing(sharded_model, tmp_path):
                          ids=["not JSON", "no weight_map", "weight_map a list", "path outside"])
 def test_shard_index_invalid(sharded_model, tmp_path, index):
     folder = shutil.copytree(sharded_model, tmp_path / "m")
-    (folder / "model.safetensors.index.json").write_bytes(index)
-    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
-                          f"{folder / 'model.safetensors.index.json'} is not a valid index")
+    path = folder / "model.safetensors.index.json"
+    path.write_bytes(index)
+    expected = ([*unreadable(path), "line 1 column"] if index == b"{oops" else
+                [f"{path} is not a valid index", "; re-download it"])
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, *expected)
 
 
 @pytest.mark.parametrize("outside", ["../x.safetensors", "absolute", "sub/../../x.safetensors"])
@@ -894,8 +904,7 @@ def test_shard_truncated(sharded_model, tmp_path):
     folder = shutil.copytree(sharded_model, tmp_path / "m")
     shard = folder / shard_of(folder, "model.norm.weight")
     shard.write_bytes(shard.read_bytes()[:-10])
-    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
-                          f"{shard} is not a readable safetensors file (", "; re-download it")
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, *unreadable(shard))
 
 
 @pytest.fixture(scope="session")
@@ -989,14 +998,14 @@ def test_quantized_tensor_wrong_shape(converted_4bit, tmp_path):
 def test_tokenizer_garbage(variant, tmp_path):
     folder = variant(tokenizer_json=b"not a tokenizer")
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
-                          f"{folder / 'tokenizer.json'} cannot be loaded (", "; re-download it")
+                          *unreadable(folder / "tokenizer.json"))
 
 
 def test_generation_config_not_json(variant, tmp_path):
     folder = variant(generation_config_json=b"{oops")
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
-                          f"{folder / 'generation_config.json'} is not valid JSON (",
-                          "; delete or re-download it")
+                          *unreadable(folder / "generation_config.json", "delete or re-download it"),
+                          "line 1 column")
 
 
 @pytest.mark.parametrize("prompt", ["", "  \n\t "], ids=["empty", "whitespace"])
@@ -1007,7 +1016,8 @@ def test_prompt_empty(tiny_model, tmp_path, prompt):
 def test_prompt_longer_than_context(tiny_model, variant, tmp_path):
     folder = variant(config_json=tiny_config(tiny_model) | {"max_position_embeddings": 16})
     assert_one_line_error(run_cli("--model", folder, "--max-tokens", 12, cwd=tmp_path), 1,
-                          "5 tokens", "--max-tokens 12", "16-token context")
+                          "the prompt has 5 tokens; with --max-tokens 12 that exceeds the model's "
+                          "16-token context: shorten it or lower --max-tokens")
 
 
 @pytest.mark.parametrize("stdin", [b"", b"\n"], ids=["empty", "newline only"])
@@ -1130,10 +1140,14 @@ class FakeHub:
                 path = self.path.split("?")[0]
                 hub.requests.append((self.command, path))
                 prefix = f"/{hub.repo}/resolve/"
-                if path == f"/api/models/{hub.repo}":
+                if path == f"/api/models/{hub.repo}" or path.startswith(f"/api/models/{hub.repo}/revision/"):
                     siblings = [{"rfilename": n, "size": len(d)} for n, d in hub.files.items()]
                     self.send(200, json.dumps({"id": hub.repo, "sha": hub.COMMIT, "siblings": siblings}).encode(),
                               body, {"Content-Type": "application/json"})
+                elif path.startswith(f"/api/models/{hub.repo}/tree/"):  # snapshot_download's listing
+                    tree = [{"type": "file", "path": n, "size": len(d), "oid": hashlib.sha1(d).hexdigest()}
+                            for n, d in hub.files.items()]
+                    self.send(200, json.dumps(tree).encode(), body, {"Content-Type": "application/json"})
                 elif path.startswith(prefix) and path.split("/", 5)[-1] in hub.files:
                     name = path.split("/", 5)[-1]
                     if name in hub.missing:
@@ -1199,6 +1213,8 @@ def test_download_from_hub(app, tiny_model, greedy_24):
     gets = fetched(hub)
     assert gets[0] == "config.json" and gets[-1] == "model.safetensors", gets
     assert sorted(gets) == sorted([*cli.MODEL_FILES, "config.json"]), gets  # no README.md
+    # Every file from the commit model_info named, never from a branch that may move meanwhile.
+    assert all(f"/resolve/{hub.COMMIT}/" in path for _, path in hub.requests if "/resolve/" in path)
     assert leftovers(app) == ["Qwen3-0.6B"]
     # Once there, the folder is used as it is: offline is fine.
     text, _, _, _ = parse_success(run_cli("--max-tokens", 24, cwd=app, script=app / SCRIPT.name))
@@ -1214,7 +1230,7 @@ def test_download_failing_midway_never_looks_complete_and_resumes(app, tiny_mode
     model_dir = app / "Qwen3-0.6B"
     with FakeHub(tiny_model, **{failure: {"model.safetensors"}}) as hub:
         rc, out, err = run_cli(cwd=app, script=app / SCRIPT.name, **online(hub))
-    assert f"/{cli.HF_REPO}/resolve/main/model.safetensors" in [path for _, path in hub.requests]
+    assert f"/{cli.HF_REPO}/resolve/{hub.COMMIT}/model.safetensors" in [path for _, path in hub.requests]
     lines = err.splitlines()
     assert lines[0].startswith(f"Downloading {cli.HF_REPO} (5 files, ")
     # Between the two: huggingface_hub's own warnings as it retries the cut-off file.
@@ -1265,11 +1281,15 @@ def test_repo_id_is_downloaded_next_to_the_script_then_reused(app, sharded_model
     text, _, _, n_generated = parse_success((rc, out, rest))
     assert text == greedy_24 and n_generated == 24
     gets = fetched(hub)
-    # config.json and the index first, into a temporary folder, checked before the shards; in the
+    # config.json and the index first (together, in either order), into a temporary folder,
+    # checked before anything else; then the small files (in any order), then the shards; in the
     # model folder the index comes last, after its shards: until then the folder lacks it.
-    assert gets[:2] == ["config.json", cli.WEIGHTS_INDEX], gets
+    assert sorted(gets[:2]) == sorted(["config.json", cli.WEIGHTS_INDEX]), gets
+    assert sorted(gets[2:-4]) == sorted(files[:4]), gets
     assert sorted(gets[-4:-1]) == shards and gets[-1] == cli.WEIGHTS_INDEX, gets
     assert sorted(gets) == sorted([*files, "config.json", cli.WEIGHTS_INDEX]), gets  # no README.md
+    # Every file from the commit model_info named, never from a branch that may move meanwhile.
+    assert all(f"/resolve/{hub.COMMIT}/" in path for _, path in hub.requests if "/resolve/" in path)
     assert downloaded(app / REPO) == sorted(files)
     for name in files:
         assert (app / REPO / name).read_bytes() == hub.files[name], name
@@ -1288,7 +1308,7 @@ def test_repo_id_failing_midway_never_looks_complete_and_resumes(app, sharded_mo
     model_dir, shards = app / REPO, [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     with FakeHub(sharded_model, repo=REPO, missing={shards[1]}) as hub:
         rc, out, err = run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, **online(hub))
-    assert ("GET", f"/{REPO}/resolve/main/{shards[0]}") in hub.requests
+    assert ("GET", f"/{REPO}/resolve/{hub.COMMIT}/{shards[0]}") in hub.requests
     first, rest = err.split("\n", 1)
     assert first.startswith(f"Downloading {REPO} (8 files, ")
     assert_one_line_error((rc, out, rest), 1, f"model folder {model_dir} not found, and could not "
@@ -1306,9 +1326,13 @@ def test_repo_id_failing_midway_never_looks_complete_and_resumes(app, sharded_mo
     assert first.startswith(f"Downloading {REPO} (8 files, ")
     text, _, _, n_generated = parse_success((rc, out, rest))
     assert text == greedy_24 and n_generated == 24
-    # What had arrived is kept; config.json and the index are fetched again to be checked first.
-    assert fetched(hub)[:2] == ["config.json", cli.WEIGHTS_INDEX]
-    assert fetched(hub)[2:] == [*shards[1:], cli.WEIGHTS_INDEX]
+    # What had arrived is kept (the shards are fetched together, so the one after the missing one
+    # may have come too); config.json and the index are fetched again to be checked first (in
+    # either order), and the index comes last, after the shards that were missing.
+    gets = fetched(hub)
+    assert sorted(gets[:2]) == sorted(["config.json", cli.WEIGHTS_INDEX]), gets
+    assert sorted(gets[2:-1]) == [shard for shard in shards if shard not in files], gets
+    assert gets[-1] == cli.WEIGHTS_INDEX, gets
     assert downloaded(model_dir) == sorted(hub.files.keys() - {"README.md", "LICENSE"})
     for name in downloaded(model_dir):
         assert (model_dir / name).read_bytes() == hub.files[name], name
@@ -1380,7 +1404,7 @@ def test_repo_id_of_a_moe_model_is_refused_before_its_weights(app, tiny_model, v
     with FakeHub(folder, repo=REPO) as hub:
         result = run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, **online(hub))
     assert_one_line_error(result, 1, f"{REPO}/config.json describes a mixture-of-experts model")
-    assert ("GET", f"/{REPO}/resolve/main/config.json") in hub.requests
+    assert ("GET", f"/{REPO}/resolve/{hub.COMMIT}/config.json") in hub.requests
     assert not any(path.endswith(".safetensors") for _, path in hub.requests)
     assert leftovers(app) == []
 
