@@ -430,13 +430,16 @@ SCRIPT_DIR = Path(__file__).resolve().parent  # llm_inference.py's folder too
 
 
 def download_command(repo, model_dir):
-    """The `hf download` command to print. Its --local-dir is relative, so that it works on another
-    machine too: to the current folder when model_dir is under it, else to the script's (cd)."""
+    """The `hf download` command to print: into the cache (model_dir None), or into model_dir with
+    a relative --local-dir, so that it works on another machine too: relative to the current
+    folder when model_dir is under it, else to the script's (cd)."""
     files = f" {' '.join(MODEL_FILES)}" if repo == HF_REPO else ""
+    if model_dir is None:
+        return f"hf download {repo}{files}"
     model_dir, here, cd = Path(model_dir).absolute(), Path.cwd(), ""
     if model_dir.is_relative_to(here):
         model_dir = model_dir.relative_to(here)
-    elif model_dir.is_relative_to(SCRIPT_DIR):  # repo ids' and the default folder are there
+    elif model_dir.is_relative_to(SCRIPT_DIR):  # the default folder may be there
         cd, model_dir = f"cd {shlex.quote(str(SCRIPT_DIR))} && ", model_dir.relative_to(SCRIPT_DIR)
     return f"{cd}hf download {repo}{files} --local-dir {shlex.quote(str(model_dir))}"
 
@@ -448,19 +451,21 @@ def missing_files(names):
 
 
 def download_model(repo, model_dir, fields):
-    """Fetch the files Part 1 reads from a Hugging Face repo into model_dir, config.json first
-    (refusing a model this script cannot run before gigabytes; fields: llm_inference.Config's),
-    the weights last, an index after its shards: a folder cut off midway never looks complete,
-    and the next run fetches what is missing (huggingface_hub renames each file once whole)."""
+    """Fetch the files Part 1 reads from a Hugging Face repo into model_dir, or into Hugging Face's
+    cache when model_dir is None; returns the folder. config.json first (a model this script
+    cannot run is refused before gigabytes; fields: llm_inference.Config's), the weights last, an
+    index after its shards: a folder cut off midway never looks complete, and the next run
+    fetches what is missing (huggingface_hub renames each file once whole)."""
     import huggingface_hub as hub  # only needed here, on the first run
+    from huggingface_hub import constants
 
     info = hub.HfApi().model_info(repo, files_metadata=True)
     sizes = {s.rfilename: s.size or 0 for s in info.siblings}
     if missing_files(sizes):
         raise UserError(f"{repo} has no {', '.join(missing_files(sizes))}: it is not a Qwen3 "
                         "checkpoint in Hugging Face's safetensors layout")
-    get = lambda names, folder: hub.snapshot_download(repo, revision=info.sha, local_dir=folder,
-                                                      allow_patterns=names)
+    get = lambda names, folder: Path(hub.snapshot_download(
+        repo, revision=info.sha, local_dir=folder, allow_patterns=names))
     index = [WEIGHTS_INDEX] if "model.safetensors" not in sizes else []
     with tempfile.TemporaryDirectory() as first:
         get(["config.json", *index], first)
@@ -471,58 +476,75 @@ def download_model(repo, model_dir, fields):
             raise UserError(str(e).replace(str(Path(first)), repo))
     names = [name for name in (*MODEL_FILES, "chat_template.jinja") if name in sizes]
     total = sum(sizes.get(name, 0) for name in names + weights + index)
+    where = f"{model_dir}/" if model_dir else f"Hugging Face's cache ({constants.HF_HUB_CACHE})"
     print(f"Downloading {repo} ({len(names + weights + index)} files, {total / 1e9:.2f} GB) into "
-          f"{model_dir}/", file=sys.stderr)
+          f"{where}", file=sys.stderr)
     others = [name for name in names if name != "model.safetensors"]
     for batch in (others, weights or ["model.safetensors"], index):
-        if batch:
-            get(batch, model_dir)
+        folder = get(batch, model_dir) if batch else folder
+    return folder
+
+
+def cached(repo):
+    """The folder of repo's files in Hugging Face's cache, where `hf download`, mlx-lm and
+    transformers keep them (~/.cache/huggingface/hub, or $HF_HOME/hub), or None."""
+    import huggingface_hub as hub
+
+    try:
+        return Path(hub.snapshot_download(repo, local_files_only=True))
+    except Exception:  # LocalEntryNotFoundError: none, or not all of it, is there
+        return None
 
 
 def find_model(model_arg, allow_download, fields):
-    """The model folder. --model is a folder when that path exists or is no repo id, and is never
-    downloaded into (it may hold another model). A repo id (default: Qwen/Qwen3-0.6B, in
-    ./Qwen3-0.6B if present) is downloaded into its folder next to the script when incomplete."""
-    repo = repo_id(model_arg or HF_REPO)
+    """The model folder. --model is a folder when that path exists or is no repo id: used as it
+    is, never downloaded into. A repo id is read from Hugging Face's cache, downloaded there once
+    (Qwen/Qwen3-0.6B: from ./Qwen3-0.6B when that is complete). By default: ./Qwen3-0.6B, else the
+    one next to the script, downloaded into when incomplete."""
+    repo = repo_id(model_arg) if model_arg else HF_REPO
+    names = lambda folder: {p.name for p in folder.iterdir()} if folder and folder.is_dir() else ()
     try:
-        if model_arg and Path(model_arg).exists() and (
-                repo is None or Path(model_arg).resolve() != SCRIPT_DIR / repo):  # no download
-            repo = None
-        if repo is None:
-            model_dir = Path(model_arg)
-        elif model_arg:
-            model_dir = SCRIPT_DIR / repo
+        if model_arg and (repo is None or Path(model_arg).exists()):
+            model_dir, repo = Path(model_arg), None
         else:  # ./Qwen3-0.6B when present, else the one next to the script
             model_dir = Path("Qwen3-0.6B")
             model_dir = model_dir if model_dir.is_dir() else SCRIPT_DIR / model_dir
+        in_cache = model_arg and repo and (repo != HF_REPO or missing_files(names(model_dir)))
+        if in_cache:  # or where this script downloaded repo ids until 2026-12, if complete there
+            earlier = SCRIPT_DIR / repo
+            model_dir = earlier if not missing_files(names(earlier)) else cached(repo)
         # Names, not files: a directory in a file's place is reported as unreadable when read.
-        names = {p.name for p in model_dir.iterdir()} if model_dir.is_dir() else ()
+        missing = missing_files(names(model_dir))
     except OSError as e:  # a name too long, a folder without permission, ...
         raise UserError(f"cannot read the model folder {model_arg or 'Qwen3-0.6B'}: "
                         f"{e.strerror or e}")
-    missing = missing_files(names)
     if not missing:
         return model_dir
-    what = (f"{model_dir} lacks {', '.join(missing)}" if model_dir.is_dir() else
+    what = (f"{repo} is not in the Hugging Face cache" if in_cache else
+            f"{model_dir} lacks {', '.join(missing)}" if model_dir.is_dir() else
             f"{model_dir} is a file, not a model folder" if model_dir.exists() else
             f"model folder {model_dir} not found")
     if repo is None:
         raise UserError(f"{what}; point --model at a folder with {', '.join(NEEDED_FILES)} "
                         f"(or {WEIGHTS_INDEX} and its shards), or at a repo id such as "
                         "Qwen/Qwen3-1.7B")
+    model_dir = None if in_cache else model_dir  # where a download goes
+    fetch = f"fetch it with: {download_command(repo, model_dir)}"
     if not allow_download:
-        raise UserError(f"{what} and --no-download was given; "
-                        f"fetch it with: {download_command(repo, model_dir)}")
+        raise UserError(f"{what} and --no-download was given; {fetch}")
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE=1: huggingface_hub will not download
+        raise UserError(f"{what}, and Hugging Face's offline mode is on (HF_HUB_OFFLINE): unset "
+                        f"it to download {repo}, or {fetch}")
     try:
-        download_model(repo, model_dir, fields)
+        return download_model(repo, model_dir, fields)
     except UserError as e:
         raise UserError(f"{what}, and {e}")
-    except Exception as e:  # offline, no such repo, a network error midway, a full disk ...
+    except Exception as e:  # no network, no such repo, a network error midway, a full disk ...
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{what}, and could not download {repo} ({type(e).__name__}: {reason}); "
-                        "run again to resume, or fetch it with: "
-                        f"{download_command(repo, model_dir)}")
-    return model_dir
+                        f"run again to resume, or {fetch}")
 
 
 # --- The command line: python llm_inference.py --prompt "..." [flags] -----------------------------
@@ -558,13 +580,15 @@ def read_prompt(args, group):
     if group.rank() > 0:
         return share(None, group)
     text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    what = "--prompt"
     if text == "-":  # read the prompt from stdin
         if sys.stdin.isatty():
             print("Reading the prompt from the terminal; end it with Ctrl-D.", file=sys.stderr)
-        text = as_text(sys.stdin.buffer.read(), "the prompt on stdin").removesuffix("\n")  # echo's
-    text = as_text(text, "--prompt")
+        text, what = sys.stdin.buffer.read(), "the prompt on stdin"
+    text = as_text(text, what).removesuffix("\n" * (what != "--prompt"))  # echo's newline
     if not text.strip():
-        raise UserError("the prompt is empty; pass some text with --prompt")
+        fix = "pass some text with --prompt" if what == "--prompt" else "pipe some text in"
+        raise UserError(f"the prompt is empty; {fix}")
     return share(text, group) if group.size() > 1 else text
 
 
@@ -724,12 +748,14 @@ def check_prompt(prompt_ids, config, max_new, trace):
 
 # --- Terminal output: the header, a reply as it comes, tables, the statistics line -------------
 
-def print_header(model_dir, config, n, dtype, weights, how, prompt=None, n_prompt=0):
-    """Model: ... (a hint on a Linux CPU without OpenBLAS), then Prompt: ... unless chatting."""
+def print_header(model_arg, model_dir, config, n, dtype, weights, how, prompt=None, n_prompt=0):
+    """Model: ... (a hint on a Linux CPU without OpenBLAS), then Prompt: ... unless chatting. The
+    model by the name the user gave (a repo id; a folder's name, a link's own)."""
+    repo = model_arg and not Path(model_arg).exists() and repo_id(model_arg)
     c, matrices = config, [weights["embed_tokens"], weights["lm_head"],
                            *(w for layer in weights["layers"] for w in layer.values())]
     bits = "/".join(map(str, sorted({w.bits for w in matrices if hasattr(w, "bits")})))
-    print(f"Model: {Path(model_dir).resolve().name} ({c.num_hidden_layers} layers, "
+    print(f"Model: {repo or Path(model_dir).absolute().name} ({c.num_hidden_layers} layers, "
           f"{c.hidden_size} dim, {c.num_attention_heads * n} Q heads, "
           f"{c.num_key_value_heads * n} KV heads) on "
           f"{'gpu' if mx.default_device() == mx.gpu else 'cpu'}"
@@ -739,7 +765,8 @@ def print_header(model_dir, config, n, dtype, weights, how, prompt=None, n_promp
         print(OPENBLAS_HINT, file=sys.stderr)
     if prompt is not None:
         shortened = prompt if len(prompt) <= 60 else prompt[:60] + "…"  # a prompt may be a file
-        print(f"Prompt: {shown(shortened)} ({plural(n_prompt, 'token')}), {how}", file=sys.stderr)
+        print(f"Prompt: {shown(shortened)} ({plural(n_prompt, 'token')})" + (f", {how}" * bool(how)),
+              file=sys.stderr)
 
 
 def rate(n, seconds):
@@ -758,16 +785,40 @@ def columns(text):
                else 2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
 
 
-def print_top_probs(logits, tokenizer, n, file=None):
+# GPT-2's byte-level alphabet, which Qwen's tokenizer.json uses: byte b is written as chr(b) when
+# that is printable, else as chr(256 + k), for the k-th of the other bytes.
+PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+             *range(ord("®"), 256)]
+BYTE_OF = {chr(c): b for b, c in zip(PRINTABLE + [b for b in range(256) if b not in PRINTABLE],
+                                     PRINTABLE + [256 + k for k in range(256 - len(PRINTABLE))])}
+
+
+def piece(tokenizer, token_id):
+    """A token as shown(): its text, or, for bytes that are no whole character (a piece of one,
+    as byte-level BPE makes), <0xEF> for each, as llama.cpp writes them."""
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    if "\ufffd" not in text:
+        return shown(text)
+    raw = bytes(BYTE_OF.get(ch, 63) for ch in tokenizer.id_to_token(token_id) or "")
+    parts = re.split(r"([\udc80-\udcff]+)", raw.decode("utf-8", "surrogateescape"))
+    return "".join("".join(f"<0x{ord(ch) - 0xDC00:02X}>" for ch in part) if i % 2 else
+                   shown(part) if part else "" for i, part in enumerate(parts))
+
+
+def print_top_probs(logits, tokenizer, n, file=None, drawn=None):
     """A table of the n likeliest next tokens and their probabilities (" Paris" first), on file
-    (sys.stderr as it is at the call)."""
+    (sys.stderr as it is at the call). drawn(logits): the logits the token is drawn from, after
+    the temperature and the filters; their probabilities are shown too (0 for a token cut)."""
     file = file or sys.stderr
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
-    print(f"{'rank':>4}  {'token':<16} {'id':>7}  probability", file=file)
+    chance = mx.softmax(drawn(logits), axis=-1) if drawn else None
+    print(f"{'rank':>4}  {'token':<16} {'id':>7}  probability" + "  sampled" * bool(drawn),
+          file=file)
     for rank, token_id in enumerate(mx.argsort(-probs)[:min(n, probs.size)].tolist(), 1):
-        token = shown(tokenizer.decode([token_id], skip_special_tokens=False))
+        token = piece(tokenizer, token_id)
         print(f"{rank:>4}  {token}{' ' * (16 - columns(token))} {token_id:>7}  "
-              f"{probs[token_id].item():.4f}", file=file)
+              f"{probs[token_id].item():.4f}" + (f"  {chance[token_id].item():9.4f}" if drawn
+                                                 else ""), file=file)
 
 
 class ReplyPrinter:
@@ -828,18 +879,51 @@ def check_logits(logits):
                         "weights hold NaN (re-download them)")
 
 
+class Prefill:
+    """show(done, total), generate_long's progress: once a prefill has taken PROGRESS_AFTER
+    seconds, its tokens done and rate on stderr (on a terminal one line, rewritten). `spent`: the
+    seconds that took, which the statistics line leaves out. stream() starts and ends it."""
+
+    PROGRESS_AFTER = 2.0
+
+    def start(self):
+        self.began, self.spent, self.last = time.perf_counter(), 0.0, None
+
+    def show(self, done, total):
+        now = time.perf_counter()
+        seconds = now - self.began - self.spent
+        if seconds >= self.PROGRESS_AFTER and (self.last is None or now - self.last >= 1 or
+                                               sys.stderr.isatty()):
+            end = "" if sys.stderr.isatty() else "\n"
+            sys.stderr.write(f"\rprefill: {done}/{total} tokens, {done / seconds:.0f} tok/s{end}")
+            sys.stderr.flush()
+            self.last = now
+        self.spent += time.perf_counter() - now
+
+    def finish(self):
+        if self.last is not None and sys.stderr.isatty():
+            sys.stderr.write("\r\x1b[K")  # the reply takes the line's place
+
+
+PREFILL = Prefill()
+
+
 def stream(tokens, printer, on_first_logits=None):
     """Print (token id, logits) pairs as they are generated, until the end or Ctrl-C. Returns
-    (interrupted, seconds to the first token: the prefill, seconds for the rest: the decode)."""
+    (interrupted, seconds to the first token: the prefill, seconds for the rest: the decode),
+    without the time spent showing progress or on_first_logits (--top-probs' table)."""
+    PREFILL.start()
     start = first = time.perf_counter()
-    interrupted = False
+    interrupted, untimed = False, 0.0
     try:
         for token_id, logits in tokens:
             if printer.n_tokens == 0:
                 first = time.perf_counter()
+                PREFILL.finish()
                 check_logits(logits)  # once: no cost per token
                 if on_first_logits:
                     on_first_logits(logits)
+                    untimed = time.perf_counter() - first
             printer.add(token_id)  # <|im_end|> prints nothing
     except KeyboardInterrupt:
         interrupted = True
@@ -850,21 +934,21 @@ def stream(tokens, printer, on_first_logits=None):
         tokens.close()  # for Chat.reply: the (partial) reply joins the history now
     end = time.perf_counter()
     printer.finish()
-    return interrupted, first - start, end - first
+    return interrupted, first - start - PREFILL.spent, end - first - untimed
 
 
-def complete(tokens, tokenizer, args, n_prompt):
-    """Print a completion as it is generated (and --top-probs' table), then the statistics line.
-    Returns the exit code: 130 when Ctrl-C stopped it."""
+def complete(tokens, tokenizer, args, n_prompt, drawn=None):
+    """Print a completion as it is generated (and --top-probs' table; drawn: print_top_probs'),
+    then the statistics line. Returns the exit code: 130 when Ctrl-C stopped it."""
     printer = ReplyPrinter(tokenizer, args.hide_think)
-    top_probs = args.top_probs and (lambda logits: print_top_probs(logits, tokenizer,
-                                                                   args.top_probs))
+    top_probs = args.top_probs and (lambda logits: print_top_probs(
+        logits, tokenizer, args.top_probs, drawn=drawn))
     interrupted, prefill_s, decode_s = stream(tokens, printer, top_probs)
     n = printer.n_tokens
     print(f"{'Interrupted. ' if interrupted else ''}Prompt: {plural(n_prompt, 'token')}"
           f"{rate(n_prompt if n else 0, prefill_s)} | Generated: {plural(n, 'token')}"
           f"{rate(n - 1, decode_s)} | Total: {prefill_s + decode_s:.2f} s | Peak memory: "
-          f"{mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr)
+          f"{mx.get_peak_memory() / 1e9:.2f} GB", file=status(interrupted))
     return 130 if interrupted else 0
 
 
@@ -975,6 +1059,8 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda:
             make_room(chat, message, max_tokens)
         except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, as in Python's REPL
             print(file=sys.stderr)
+            if group and group.size() > 1:  # the others wait in step: the chat ends (join)
+                return 130
             continue
         except UserError as e:  # a bad message is skipped; the chat goes on
             print(f"error: {e}", file=sys.stderr)
@@ -982,9 +1068,11 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda:
         n_turns, printer = len(chat.turns), ReplyPrinter(chat.tokenizer, hide_think)
         new_reply()
         interrupted, prefill_s, decode_s = stream(
-            chat.reply(message, max_tokens, sampling, eos_ids), printer)
+            chat.reply(message, max_tokens, sampling, eos_ids, PREFILL.show), printer)
         if len(chat.turns) == n_turns:  # Ctrl-C before the reply began: nothing happened
-            print("Interrupted.", file=sys.stderr)
+            print("Interrupted.", file=status(True))
+            if group and group.size() > 1:
+                return 130
             continue
         turn += 1
         n = len(chat.turns[-1][1])  # the reply as the history keeps it (without <|im_end|>)
@@ -993,7 +1081,9 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda:
         print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: {chat.reused} tokens reused "
               f"from the cache, {chat.prefilled} prefilled at {prefill:.1f} tok/s | Reply: "
               f"{plural(n, 'token')}{thinking}{rate(printer.n_tokens - 1, decode_s)}",
-              file=sys.stderr)
+              file=status(interrupted))
+        if interrupted and group and group.size() > 1:  # the others are mid-reply: the chat ends
+            return 130
 
 
 # --- Several processes (mlx.launch, section 20): process 0 reads the input and prints ------------
@@ -1012,14 +1102,25 @@ def share(text, group):
                                                                            "surrogateescape")
 
 
+AFTER_CTRL_C = None  # process 0's terminal, under mlx.launch (join)
+
+
+def status(interrupted):
+    """Where a line about the run goes: stderr; after Ctrl-C under mlx.launch, which then stops
+    passing our output on, the terminal itself."""
+    return AFTER_CTRL_C if interrupted and AFTER_CTRL_C else sys.stderr
+
+
 def join(group):
     """Process 0 reads the input for all (read_prompt, read_message) and prints; the others print
-    only their own errors, and die at once on Ctrl-C (in step, none can stop a reply alone)."""
+    only their own errors. Ctrl-C stops process 0 alone, which finishes the step the others share,
+    prints its statistics and exits; mlx.launch then ends the others (in step, none can go on)."""
+    global AFTER_CTRL_C
     if group.rank() == 0:
-        signal.signal(signal.SIGINT, lambda *_: sys.exit(print("\nInterrupted.", file=sys.stderr)
-                                                         or 130))
-    else:  # its own errors go to a copy of stderr; the rest, MLX's messages too, nowhere
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        with contextlib.suppress(OSError):  # no terminal (ssh, a pipe): stderr it is
+            AFTER_CTRL_C = open("/dev/tty", "w")
+    else:  # its own errors go to a copy of stderr; the rest, MLX's too, nowhere
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         sys.__stderr__ = os.fdopen(os.dup(2), "w", buffering=1)
         for fd in (1, 2):
             os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
@@ -1049,7 +1150,7 @@ def run(main):
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C while loading: no traceback
         mx.synchronize()  # nothing left queued on the GPU at exit, as after Ctrl-C in stream()
-        print("\nInterrupted.", file=sys.stderr)
+        print("\nInterrupted.", file=status(True))
         sys.exit(130)
     except OSError as e:  # writing failed: the reader went away (`... | head`), or a full disk
         if not isinstance(e, BrokenPipeError) and e.errno not in (errno.ENOSPC, errno.EDQUOT):

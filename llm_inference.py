@@ -17,7 +17,7 @@ program around them (checks, download, flags, terminal output) is cli.py: no nee
       10. sample    -> 12095, the id of " Paris"
       11. generate  feed it back in, repeat until an end-of-sequence token
 
-Shapes are written for one sequence, with Qwen3-0.6B's sizes (attention's lead with a batch of 1).
+Shapes are for one sequence, with Qwen3-0.6B's sizes; attention's arrays lead with a batch of 1.
 MLX is lazy: `y = x @ w` only records the operation in a graph; the arithmetic runs when a value
 is needed (`print(y)`, `y.item()`, `mx.eval(y)`). generate() (section 11) builds on that.
 """
@@ -36,10 +36,11 @@ from tokenizers import Tokenizer
 # PART 1: THE MODEL
 # ================================================================================================
 #
-# Plain functions, exactly what --reference-ops runs. main() swaps in Part 2's versions of ten of
-# them, by name (Part 2's replace()): load_tensor, linear and embed (quantization, section 16),
-# rms_norm, apply_rope and attend (fused kernels, 12), silu_gate (compilation, 13), sample (more
-# sampling controls, 17), and load_tensor, attention and swiglu (several machines, 20).
+# Plain functions: what --reference-ops runs, unless asked to quantize or split the model. Part 2
+# has other versions of ten of them, and main() swaps those in by name (Part 2's replace()):
+# load_tensor, linear and embed (quantization, section 16), rms_norm, apply_rope and attend
+# (fused kernels, 12), silu_gate (compilation, 13), sample (more sampling controls, 17), and
+# load_tensor, attention and swiglu (several machines, 20).
 
 # --- 1. Load: the hyper-parameters from config.json, the weights from *.safetensors ---------------
 
@@ -258,7 +259,7 @@ def attend(q, k, v):
     # head 0), and no repeated copy of the keys and values is built.
     q = q.reshape(n_kv_heads, n_heads // n_kv_heads, seq, head_dim)  # (8, 2, seq, 128)
     k, v = k.reshape(n_kv_heads, 1, total, head_dim), v.reshape(n_kv_heads, 1, total, head_dim)
-    scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total); scaling q is less work
+    scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total); q is smaller once total > 128
     # Causal mask: query i sits at position total-seq+i and sees keys 0 ... total-seq+i.
     allowed = mx.arange(total)[None, :] <= (total - seq + mx.arange(seq))[:, None]
     scores = mx.where(allowed, scores, -mx.inf)  # (seq, total) mask, broadcast
@@ -423,7 +424,8 @@ def replace(**functions):
 #
 # Written out as math (sections 4 to 6), each of these runs several MLX operations, each a pass over
 # memory. MLX also has each as a single kernel, mx.fast.*: the same numbers, to rounding (the tests
-# check it), in one pass. use_fused_kernels() replaces rms_norm, apply_rope and attend with them.
+# check it), in one pass on a GPU (MLX's CPU build runs some as several operations still).
+# use_fused_kernels() replaces rms_norm, apply_rope and attend with them.
 
 def fused_rms_norm(x, weight, eps):
     return mx.fast.rms_norm(x, weight, eps)
@@ -447,14 +449,13 @@ def use_fused_kernels():
 # --- 13. Compilation: fusing element-wise operations into one kernel ------------------------------
 #
 # mx.compile traces a function once, then replays the recorded graph as one call, with element-wise
-# steps fused into single kernels: silu_gate's sigmoid and two multiplications become one kernel
-# instead of three, one pass over the (seq, 3072) activations instead of three. That matters where
-# per-operation costs dominate, as for a small model on a big GPU; on a Mac, for most models,
-# reading the weights dominates (docs/performance.md). Matrix products, and the fused kernels of
-# section 12, are single kernels already, and replaying a compiled function costs Python more than
-# recording a few of them, so silu_gate is all we compile. shapeless=True: one trace serves every
-# sequence length. While tracing, arrays are placeholders: print(x) inside a compiled function
-# fails (try it with --no-compile, which skips this).
+# steps fused into single kernels: silu_gate's sigmoid and two multiplications become one kernel,
+# one pass over the (seq, 3072) activations instead of three. That matters where per-operation
+# costs dominate (a small model on a big GPU), less where reading the weights does (a Mac, for
+# most models). Matrix products and section 12's kernels are single kernels already, and replaying
+# a compiled function costs Python more than recording a few of them, so silu_gate is all we
+# compile. shapeless=True: one trace serves every sequence length. While tracing, arrays are
+# placeholders: print(x) inside a compiled function fails (try it with --no-compile).
 
 compiled_silu_gate = mx.compile(silu_gate, shapeless=True)
 
@@ -467,23 +468,26 @@ def compile_model():
 # --- 14. Long prompts: prefill in pieces ----------------------------------------------------------
 #
 # A piece of 1024 tokens has attention scores of (heads, 1024, total) rather than (heads, total,
-# total) for the whole prompt at once: that bounds the memory of one pass, at a small cost in speed
-# (docs/performance.md).
+# total) for the whole prompt at once: that bounds the memory of one pass, at a cost in speed (an
+# H200 took 28 instead of 21 ms to the first token of 2048: docs/performance.md).
 PREFILL_CHUNK = 1024
 
 
 def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
-                  cache=None):
+                  cache=None, progress=None):
     """generate() for a prompt of any length: all but its last piece first go through the model
-    piece by piece, filling the cache."""
+    piece by piece, filling the cache. progress(done, total), if given, after each piece."""
     cache = make_cache(config) if cache is None else cache
-    while len(prompt_ids) > PREFILL_CHUNK:
-        forward(mx.array(prompt_ids[:PREFILL_CHUNK]), weights, config, cache)
+    done, total = 0, len(prompt_ids)
+    while total - done > PREFILL_CHUNK:
+        forward(mx.array(prompt_ids[done : done + PREFILL_CHUNK]), weights, config, cache)
         # Run this piece now, freeing its activations. Only the cache is asked for, so (MLX being
         # lazy) the piece's logits are never computed.
         mx.eval([(c.keys, c.values) for c in cache])
-        prompt_ids = prompt_ids[PREFILL_CHUNK:]
-    yield from generate(prompt_ids, weights, config, max_tokens, sampling, eos_ids, cache)
+        done += PREFILL_CHUNK
+        if progress:  # the command line shows it for a long prompt
+            progress(done, total)
+    yield from generate(prompt_ids[done:], weights, config, max_tokens, sampling, eos_ids, cache)
 
 
 # --- 15. Without a KV cache: what the cache saves (--no-cache) ------------------------------------
@@ -505,13 +509,12 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
 
 # --- 16. Quantization (--quantize 4 or 8): fewer bits per weight ----------------------------------
 #
-# Generating a token multiplies one vector by every weight matrix: each weight is read from memory
-# and used for a single multiply-add. Where reading memory limits decoding (a Mac's unified memory
-# or a CPU, for most models), fewer bytes per weight mean more tokens per second: Qwen3-8B reads
-# about 15 GB of bfloat16 weights per token, so 100 GB/s of memory caps it near 7 tokens a second;
-# at 4 bits, about 4.3 GB, near 23. Where the fixed cost of each operation limits it (a small model
-# on a big GPU) it gains less: on an H200, mlx-lm decoded the 0.6B shape at 226 tok/s in bfloat16
-# and 277 at 8 bits (docs/performance.md). Memory it always saves.
+# Generating a token reads every weight once, for one multiply-add each. Where reading memory
+# limits decoding (a Mac or a CPU, for most models), fewer bytes per weight mean more tokens a
+# second: Qwen3-8B's 15 GB of bfloat16 weights cap it near 7 tokens a second at 100 GB/s, its 4.3
+# GB at 4 bits near 23. Where each operation's fixed cost limits it (a small model on a big GPU) it
+# gains less: on an H200, mlx-lm decoded the 0.6B shape at 226 tok/s in bfloat16 and 277 at 8
+# bits, this file at 235 and 239 (docs/performance.md). Memory it always saves.
 #
 # Group-wise affine quantization (MLX's and mlx-lm's): each row of a matrix is cut into groups of
 # 64 consecutive weights. A group keeps one scale and one bias, in the weights' float type, and
@@ -571,12 +574,10 @@ def quantized_embed(token_ids, table):
 
 
 def use_quantization(bits=None, stored=None):
-    """From now on, load_weights() quantizes each matrix to `bits` (4 or 8) as it reads it, or
-    reads it as stored quantized, and linear() and embed() take Quantized matrices. stored: how a
-    checkpoint stored quantized was made, config.json's "quantization" entry as mlx_lm.convert
-    writes it: {"group_size": 64, "bits": 4, "mode": "affine"}, plus, for layers quantized
-    differently (mixed precision), their own settings by name. Such a checkpoint stores each
-    quantized matrix x.weight as three tensors: x.weight (the packed uint32), x.scales, x.biases."""
+    """Replaces load_tensor, linear and embed (above). stored: config.json's "quantization" entry
+    of a checkpoint mlx_lm.convert stored quantized, {"group_size": 64, "bits": 4, "mode":
+    "affine"}, plus settings of their own for layers quantized otherwise (mixed precision). Such
+    a checkpoint stores each quantized x.weight as x.weight (packed uint32), x.scales, x.biases."""
     stored = stored or {}
 
     def load_quantized(tensors, name, dtype):
@@ -717,10 +718,10 @@ class Chat:
             answer = answer[1:]
         return answer
 
-    def reply(self, message, max_tokens, sampling=Sampling(), eos_ids=()):
-        """Yield (token id, logits) of the reply to `message`, like generate() (through section
-        14's generate_long, as a first message may be long). The reply joins the history also when
-        the caller stops early (then close() this generator), even if empty."""
+    def reply(self, message, max_tokens, sampling=Sampling(), eos_ids=(), progress=None):
+        """Yield (token id, logits) of the reply to `message`, like section 14's generate_long (a
+        first message may be long). The reply joins the history also when the caller stops early
+        (then close() this generator), even if empty."""
         ids = self.prompt_ids(message)
         # A fresh draw for each reply, and the whole conversation repeatable from the seed.
         sampling = sampling._replace(seed=(sampling.seed + self.replies) % 2**64)
@@ -737,7 +738,8 @@ class Chat:
         self.prefilled, reply = len(ids) - self.reused, []
         try:
             for token_id, logits in generate_long(ids[self.reused:], self.weights, self.config,
-                                                  max_tokens, sampling, eos_ids, self.cache):
+                                                  max_tokens, sampling, eos_ids, self.cache,
+                                                  progress):
                 if token_id not in eos_ids:  # the template closes each turn with <|im_end|>
                     reply.append(token_id)
                 yield token_id, logits
@@ -758,8 +760,7 @@ class Chat:
 # lead. After the last block, the lens is the model's own output. --trace shows it at every block.
 
 def logit_lens(x, weights, config):
-    """The next-token logits (vocab,) read off the residual stream x (seq, 1024) at its last
-    position, as forward() reads them after the last block."""
+    """The next-token logits (vocab,) read off the stream x (seq, 1024) as forward() does."""
     return linear(rms_norm(x[-1:], weights["norm"], config.rms_norm_eps), weights["lm_head"])[0]
 
 
@@ -772,7 +773,7 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
     if final is None:
         final = forward(ids, weights, config, make_cache(config))
     pick = mx.argmax(final).item()
-    piece = lambda token_id: cli.shown(detokenize(tokenizer, [token_id]))
+    piece = lambda token_id: cli.piece(tokenizer, token_id)  # bytes of a character: <0xEF>
     shape = lambda a: f"{tuple(a.shape)} {str(a.dtype).split('.')[-1]}"
     some = lambda items: " ".join(items[:16]) + (f" … ({len(items)})" if len(items) > 16 else "")
     print(f"tokens: {len(prompt_ids)} ids {some([str(i) for i in prompt_ids])}\n"
@@ -814,32 +815,30 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 
 # --- 20. Several machines: one model split across processes (tensor parallelism) ------------------
 #
-# A model larger than one Mac's memory can be split across several: Qwen3-32B takes about 65 GB in
-# bfloat16. mlx.launch starts one process per machine (or several on one, to learn), and
-# mx.distributed connects them: over TCP (the ring backend: Ethernet, or Thunderbolt as IP), RDMA
-# over Thunderbolt 5 (JACCL, macOS 26.2+) or NCCL between CUDA GPUs. The processes form a *group*
-# of n; each knows its *rank*, its number in the group, 0 to n-1. all_sum(x) is the one exchange:
-# every process hands in an array of the same shape, and every one gets back their sum.
+# A model larger than one Mac's memory can be split across several (Qwen3-32B takes about 65 GB in
+# bfloat16): `mlx.launch -n 2 python llm_inference.py` starts one process per machine (or, to
+# learn, two on one), and mx.distributed connects them (TCP, RDMA over Thunderbolt 5, or NCCL
+# between CUDA GPUs). The processes form a *group* of n; each knows its *rank*, its number 0 to
+# n-1 (alone, a group of 1). all_sum(x) is the one exchange: every process hands in an array of
+# the same shape, and every one gets back their sum.
 #
-# Each process keeps 1/n of every block, and the split falls where the block needs no exchange.
-# A matrix product splits by its inner dimension: with two processes, cut the input h (seq, 2048)
-# into halves h₀ and h₁ of 1024 channels each, and W (1024, 2048) into the matching columns W₀ and
-# W₁. Then y = h Wᵀ = h₀W₀ᵀ + h₁W₁ᵀ: process 0 computes the first product, process 1 the second,
-# and an all_sum adds them up, on both. So:
+# A matrix product splits two ways. By rows of W (output channels), each process computes its own
+# outputs: no exchange. By columns (the inner dimension), with two processes: cut the input h
+# (seq, 2048) into halves h₀, h₁ and W (1024, 2048) into the matching columns W₀, W₁; then
+# y = h Wᵀ = h₀W₀ᵀ + h₁W₁ᵀ, process 0 computing the first product, process 1 the second, and one
+# all_sum adds them up, on both. A block uses each where it fits:
 # - attention: each process keeps whole heads, 16/n query heads and 8/n key/value heads (rows of
-#   q_proj, k_proj, v_proj: (2048/n, 1024), (1024/n, 1024) each), so it attends on its own: its
-#   heads are its h_rank. They meet only in o_proj, whose matching columns (1024, 2048/n) it
-#   keeps: an all_sum of n (seq, 1024) partial outputs.
+#   q_proj, k_proj, v_proj), so it attends, and caches keys and values, on its own; its heads'
+#   output is its h_rank, which meets the others' in o_proj, whose matching columns it keeps.
 # - the feed-forward: each keeps 3072/n of the intermediate channels (rows of gate_proj and
-#   up_proj, columns of down_proj): silu_gate works channel by channel, so the same holds.
-# Two all_sums per block; everything else (embeddings, norms, the LM head, sampling) is whole and
-# identical on every process, so every process picks the same token. Per token that is 2 x 28
-# all_sums of 1024 numbers for Qwen3-0.6B, each a round trip over the link: its latency, not its
-# bandwidth, sets the cost (docs/performance.md#several-processes). RDMA's few microseconds make
-# it pay; TCP's tens to hundreds cost more than a Mac saves. Over plain Ethernet, pipeline
-# parallelism is the alternative: whole blocks per machine, one transfer per machine and token,
-# but the machines take turns on a single sequence: it adds memory, not speed. main() makes the
-# split: split_config() for the shapes, use_tensor_parallelism() before the weights are loaded.
+#   up_proj, columns of down_proj): silu_gate works channel by channel.
+# Two all_sums per block; everything else (embeddings, norms, the LM head, sampling with one seed)
+# is whole and identical on every process, so all pick the same token. Each all_sum is a round
+# trip over the link, and its latency sets the cost: 56 per token for Qwen3-0.6B, 665 µs each over
+# TCP on an H200's loopback, made both runtimes decode 15x slower than one process
+# (docs/performance.md#several-processes). RDMA's microseconds are what make a split pay, for a
+# model too big for one machine. main() makes the split: split_config() for the shapes,
+# use_tensor_parallelism() before the weights are loaded.
 
 SPLIT_ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # out channels: heads, units
 SPLIT_COLUMNS = ("o_proj", "down_proj")  # in channels: the same heads and units
@@ -921,7 +920,7 @@ def main(argv=None):
     # Part 2's replacements, all of them: from here on, Part 1's calls run these.
     if args.quantize or stored:
         use_quantization(args.quantize, stored)  # section 16: load_tensor, linear, embed
-    if n > 1:
+    if n > 1:  # after section 16: each process keeps its share of what that load_tensor makes
         use_tensor_parallelism(group)  # section 20: load_tensor, attention, swiglu
     if not args.reference_ops:
         use_fused_kernels()  # section 12: rms_norm, apply_rope, attend
@@ -934,15 +933,15 @@ def main(argv=None):
     with cli.reading(model_dir, "re-download the model"):  # a read error halfway through a file
         weights = load_weights(model_dir, config, dtype)
     cli.wire_weights(weights)  # on a Mac, keep them resident
-    config = shares
+    config = shares  # from here on, this process's share
     eos_ids = cli.eos_token_ids(generation_config, tokenizer)
     max_tokens = cli.max_tokens(args, config.max_position_embeddings)
-    how = cli.describe(sampling, min_p, presence_penalty)
+    how = None if args.trace else cli.describe(sampling, min_p, presence_penalty)  # trace: no draw
 
     if prompt is None:  # --chat: a conversation, one KV cache for all of it (section 18)
         n_format = len(tokenize(tokenizer, chat_prompt("", args.system, not args.no_think)))
         cli.check_chat_room(n_format, max_tokens, config.max_position_embeddings, args.system)
-        cli.print_header(model_dir, config, n, dtype, weights, how)
+        cli.print_header(args.model, model_dir, config, n, dtype, weights, how)
         print(f"Chat: {how}, up to {max_tokens} tokens per reply. {cli.CHAT_HELP}.",
               file=sys.stderr)
         chat = Chat(weights, config, tokenizer, args.system, think=not args.no_think)
@@ -951,16 +950,23 @@ def main(argv=None):
     text = chat_prompt(prompt, args.system, not args.no_think) if args.chat else prompt
     prompt_ids = tokenize(tokenizer, text)
     cli.check_prompt(prompt_ids, config, max_tokens, args.trace)
-    cli.print_header(model_dir, config, n, dtype, weights, how, prompt, len(prompt_ids))
+    cli.print_header(args.model, model_dir, config, n, dtype, weights, how, prompt,
+                     len(prompt_ids))
     if args.trace:  # section 19
         final = forward(mx.array(prompt_ids), weights, config, make_cache(config))
         cli.check_logits(final)  # before a table of NaN probabilities
         trace(prompt_ids, weights, config, tokenizer, final)
         return 0
-    new_reply()
-    run = generate_without_cache if args.no_cache else generate_long  # sections 15, 14
-    tokens = run(prompt_ids, weights, config, max_tokens, sampling, eos_ids)
-    return cli.complete(tokens, tokenizer, args, len(prompt_ids))  # prints as it comes, then stats
+    new_reply()  # section 17: the reply has no tokens yet
+    if args.no_cache:  # section 15
+        tokens = generate_without_cache(prompt_ids, weights, config, max_tokens, sampling, eos_ids)
+    else:  # section 14; a long prompt's prefill shows its progress
+        tokens = generate_long(prompt_ids, weights, config, max_tokens, sampling, eos_ids,
+                               progress=cli.PREFILL.show)
+    # --top-probs shows the probabilities the first token is drawn from (sections 10, 17) too
+    drawn = lambda logits: filter_min_p(filter_logits(logits, sampling), min_p)
+    return cli.complete(tokens, tokenizer, args, len(prompt_ids), drawn if sampling.temperature
+                        else None)
 
 
 if __name__ == "__main__":

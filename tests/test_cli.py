@@ -1564,3 +1564,47 @@ def test_a_seed_without_sampling_warns_like_top_k(tiny_model, capsys):
     assert li.main(["--model", str(tiny_model), "--max-tokens", "2", "--seed", "3",
                     "--temperature", "1"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_the_lowest_temperature_and_min_p_0_are_accepted():
+    """Bugs: the temperature floor itself refused (> instead of >=); --min-p 0 refused."""
+    assert cli.parse_args(["--temperature", str(cli.MIN_TEMPERATURE)]).temperature == cli.MIN_TEMPERATURE
+    assert cli.parse_args(["--min-p", "0"]).min_p == 0
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--temperature", str(cli.MIN_TEMPERATURE / 2)])
+
+
+def test_the_trace_numbers_blocks_from_0(tiny_model, capsys):
+    """Bug: --trace numbered the blocks from 1."""
+    config = li.load_config(tiny_model)
+    weights, tokenizer = li.load_weights(tiny_model, config, mx.float32), li.load_tokenizer(tiny_model)
+    li.trace(li.tokenize(tokenizer, "The capital of France is"), weights, config, tokenizer)
+    blocks = [line.split()[1] for line in capsys.readouterr().out.splitlines()
+              if line.startswith("block ") and " done:" in line]
+    assert blocks == [str(i) for i in range(config.num_hidden_layers)]
+
+
+@pytest.mark.parametrize("reference_ops", [False, True])
+def test_reference_ops_runs_part_1_as_written(tiny_model, monkeypatch, capsys, reference_ops):
+    """Bug: --reference-ops did not take effect (the fused kernels ran anyway)."""
+    calls = []
+    for name in ("rms_norm", "rope", "scaled_dot_product_attention"):
+        kernel = getattr(mx.fast, name)
+        monkeypatch.setattr(mx.fast, name, lambda *a, _k=kernel, _n=name, **kw:
+                            calls.append(_n) or _k(*a, **kw))
+    flags = ["--reference-ops"] if reference_ops else []
+    assert li.main(["--model", str(tiny_model), "--max-tokens", "3", *flags]) == 0
+    assert capsys.readouterr().out.strip()  # some text came out
+    if reference_ops:
+        assert calls == [] and li.rms_norm.__name__ == "rms_norm"
+        assert li.silu_gate is not li.compiled_silu_gate
+    else:
+        assert set(calls) == {"rms_norm", "rope", "scaled_dot_product_attention"}
+
+
+def test_the_printed_download_command_quotes_its_path(tmp_path, monkeypatch):
+    """Bug: the --local-dir of the printed `hf download` command was not shell-quoted."""
+    folder = tmp_path / "my models" / "Qwen3 0.6B"
+    monkeypatch.chdir(tmp_path)
+    words = shlex.split(cli.download_command("Qwen/Qwen3-0.6B", folder))
+    assert words[-2:] == ["--local-dir", "my models/Qwen3 0.6B"]
