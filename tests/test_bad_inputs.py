@@ -101,6 +101,26 @@ def test_a_large_integer_rope_theta_runs_as_a_float(tiny, tmp_path, capsys):
     assert li.main(["--model", str(folder), "--max-tokens", "2", "--reference-ops"]) == 0
 
 
+def test_a_transformers_5_config_with_rope_theta_in_rope_parameters(tiny, tmp_path):
+    """Bug: rope_theta read only at the top level, so transformers 5's configs were refused."""
+    raw = json.loads((tiny / "config.json").read_text())
+    theta = raw.pop("rope_theta")
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    folder = copy(tiny, tmp_path / "t5", config_json=raw)
+    cli.check_config(folder, li.Config.__annotations__)
+    config = li.load_config(folder)
+    assert config.rope_theta == theta == li.load_config(tiny).rope_theta
+
+
+def test_a_min_p_of_0_in_generation_config_is_accepted(tiny, tmp_path):
+    """Bug: generation_config.json's "min_p": 0 (off, transformers' default) was refused, as if
+    outside [0, 1]."""
+    generation_config = json.loads((tiny / "generation_config.json").read_text()) | {"min_p": 0}
+    folder = copy(tiny, tmp_path / "m", generation_config_json=generation_config)
+    assert cli.load_generation_config(folder)["min_p"] == 0
+    assert li.main(["--model", str(folder), "--max-tokens", "2", "--temperature", "0.7"]) == 0
+
+
 def test_an_odd_head_dim(checkpoints):
     """Fix: head_dim 15 (with tensors to match) failed in RoPE, which turns pairs of channels."""
     folder = checkpoints(TINY_CONFIG | {"head_dim": 15})
@@ -127,6 +147,21 @@ def test_a_token_id_beyond_the_embedding_table(tiny, tmp_path, monkeypatch, caps
     assert li.main(["--model", str(folder), "--chat", "--max-tokens", "2"]) == 0
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "gave the token id 2000000000" in errors[0]
+
+
+def test_a_token_id_equal_to_the_table_size_is_refused(tiny, tmp_path):
+    """Bug: check_ids let the id vocab_size itself through (> for >=): the row after the table's
+    last, read outside it."""
+    vocab_size = li.load_config(tiny).vocab_size
+    tokenizer = json.loads((tiny / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"]["The"] = vocab_size
+    folder = copy(tiny, tmp_path / "m", tokenizer_json=tokenizer)
+    with pytest.raises(cli.UserError, match=f"gave the token id {vocab_size}, but the embedding "
+                                            f"table has only {vocab_size} rows"):
+        li.main(["--model", str(folder), "--max-tokens", "2"])
+    tokenizer["model"]["vocab"]["The"] = vocab_size - 1  # the table's last row: read, no error
+    folder = copy(tiny, tmp_path / "last", tokenizer_json=tokenizer)
+    assert li.main(["--model", str(folder), "--max-tokens", "2"]) == 0
 
 
 def test_a_tokenizer_that_truncates_or_pads_leaves_the_prompt_whole(tiny, tmp_path, capsys):
@@ -185,6 +220,21 @@ def test_trace_refuses_nan_logits(tiny, tmp_path):
     mx.save_safetensors(str(folder / "model.safetensors"), tensors, metadata={"format": "pt"})
     with pytest.raises(cli.UserError, match="NaN or infinite logits"):
         li.main(["--model", str(folder), "--trace"])
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf", "float16 overflow"])
+def test_logits_partly_nan_or_infinite_are_refused(bad):
+    """Bug: check_logits refused only logits that were all NaN or infinite (mx.any for mx.all):
+    float16 overflow makes some of them inf, and the table or the draw ran on."""
+    logits = mx.array([1.0, -2.0, 3.0, 0.5], mx.float16)
+    cli.check_logits(logits)  # all finite: no error
+    if bad == "float16 overflow":
+        logits = (mx.array([1.0, -2.0, 3.0, 0.5]) * mx.array([1.0, 1.0, 3e4, 1.0])).astype(mx.float16)
+    else:
+        logits[2] = float(bad)
+    assert not mx.isfinite(logits)[2].item() and mx.isfinite(logits).sum().item() == 3
+    with pytest.raises(cli.UserError, match="NaN or infinite logits"):
+        cli.check_logits(logits)
 
 
 def run_shell(command, tiny, tmp_path):

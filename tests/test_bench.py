@@ -227,3 +227,165 @@ def test_quantization_error_skips_matrices_left_unquantized(checkpoints):
     folder = checkpoints(TINY_CONFIG | {"hidden_size": 96})
     config, weights, _, _ = load_model(folder, mx.float32, 4)  # as load_pair loads ours
     assert set(bench.quantization_error(folder, config, weights)) == {"o_proj", "down_proj"}
+
+
+def test_the_primitives_total_counts_primitives_not_kinds(capsys):
+    """Bug: bench.py's printed total counted the kinds of primitive, not the primitives."""
+    import collections
+    counts = {"ours": collections.Counter(Matmul=8, Add=3),
+              "mlx-lm": collections.Counter(Matmul=8, Add=5, Exp=1)}
+    bench.print_primitives(counts)
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "ours 11," in first and "mlx-lm 14 " in first
+
+
+# Issue 25: a run that looked hung, Ctrl-C, and the sizes the flags ask for (each test fails on the
+# bench.py before its fix).
+
+@pytest.fixture(scope="module")
+def loaded():
+    """{(config.json's text, dtype, bits): bench.load_pair's result}, for load_once."""
+    return {}
+
+
+@pytest.fixture
+def load_once(monkeypatch, loaded):
+    """bench.load_pair loads each model once in this module (the tokenizers take seconds); the
+    tests that use it read the weights and never change them."""
+    load_pair = bench.load_pair
+
+    def load(model_dir, dtype, bits=None):
+        key = ((model_dir / "config.json").read_text(), dtype, bits)
+        if key not in loaded:
+            loaded[key] = load_pair(model_dir, dtype, bits)
+        return loaded[key]
+
+    monkeypatch.setattr(bench, "load_pair", load)
+
+
+@pytest.fixture
+def untimed(monkeypatch, load_once):
+    """The measurements around the table skipped (the bandwidth probe alone fills 1 GiB)."""
+    monkeypatch.setattr(bench, "measure_bandwidth", lambda dtype: 1.0)
+    monkeypatch.setattr(bench, "step_breakdown", lambda *args: {})
+    monkeypatch.setattr(bench, "primitives_per_step", lambda *args: None)
+    monkeypatch.setattr(bench, "print_primitives", lambda counts: None)
+
+
+SMALL = ["--prompt-lengths", 5, "--decode-tokens", 2, "--reps", 1]  # the 5-token row alone
+
+
+def test_on_the_cpu_with_no_size_flag_the_run_is_short(tiny_folder, untimed, monkeypatch, capsys):
+    """Fix: `python bench.py` on a CPU ran the 0.6B shape's full defaults, an hour or more, with no
+    word of it. Now, with no size flag, the tiny model and smaller sizes, said in one line (a size
+    flag brings the full defaults back). Nothing is timed here: only which runs are made."""
+    import tests.checkpoint
+
+    written, runs = [], []
+
+    def write_checkpoint(folder, config=None, *args, **kwargs):  # the tiny one, whatever is asked
+        written.append(config)
+        copy(tiny_folder, folder)
+        return folder
+
+    def timed(run, prompt, n):
+        runs.append((len(prompt), n))
+        return dict(ttft=0.01, prefill=100.0, decode=50.0, peak=0.1, tokens=[0] * n)
+
+    monkeypatch.setattr(tests.checkpoint, "write_checkpoint", write_checkpoint)
+    monkeypatch.setattr(bench, "timed", timed)
+    assert bench_main(monkeypatch, "--device", "cpu") is None
+    out = capsys.readouterr().out
+    assert out.startswith("on the CPU with no size flag: --tiny --prompt-lengths 128 "
+                          "--decode-tokens 64 --reps 3 (about a minute); the full run, the 0.6B "
+                          "shape with --prompt-lengths 128 2048 --decode-tokens 256 --reps 3, "), out
+    assert len(out.splitlines()[0]) < 300 and "any size flag asks for it" in out
+    assert written == [tests.checkpoint.TINY_CONFIG]
+    # The article's 5-token prompt (2 tokens), then 128 tokens and 64 new: warm-ups, then 3 reps.
+    assert runs == [(5, 2)] * 8 + [(128, 8)] * 2 + [(128, 64)] * 6, runs
+    assert "greedy tokens identical: 64/64" in out and "medians of 3 runs after a warm-up" in out
+    written.clear(), runs.clear()
+    assert bench_main(monkeypatch, "--device", "cpu", "--reps", 1) is None  # a size flag
+    out = capsys.readouterr().out
+    assert "no size flag" not in out and written == [None]  # the 0.6B shape (here the tiny one)
+    assert sorted(set(runs)) == [(5, 2), (128, 8), (128, 256), (2048, 8), (2048, 256)]
+
+
+def test_each_measurement_is_announced_on_stderr(tiny_folder, untimed, monkeypatch, capsys):
+    """Fix: nothing said what was being measured, for minutes on a CPU: it looked hung. A line on
+    stderr as each measurement starts (stdout keeps the table alone)."""
+    assert bench_main(monkeypatch, "--model", tiny_folder, *SMALL) is None
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [f"measuring: {what} ..." for what in (
+        "memory bandwidth", "5-token prompt, warm-up", "5-token prompt, rep 1/1",
+        "one decode step, building its graph and running it", "the primitives of one decode step")]
+    assert "measuring" not in out and "greedy tokens identical: 2/2" in out
+
+
+def test_one_run_is_the_median_of_1_run(tiny_folder, untimed, monkeypatch, capsys):
+    """Fix: --reps 1 printed "medians of 1 runs"."""
+    assert bench_main(monkeypatch, "--model", tiny_folder, *SMALL) is None
+    out = capsys.readouterr().out
+    assert "; the median of 1 run after a warm-up\n" in out and " 1 runs" not in out, out
+    assert bench.medians(1) == "the median of 1 run" and bench.medians(5) == "medians of 5 runs"
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130(tiny_folder, tmp_path):
+    """Fix: Ctrl-C during a measurement ended in a KeyboardInterrupt traceback. Here SIGINT comes
+    from inside the first timed run (ours, in the warm-up), as a terminal sends it, in a process
+    of its own. (mlx-lm is left out of it: its imports and tokenizer take seconds.)"""
+    code = f"""if True:
+        import signal, sys
+        sys.path.insert(0, {str(BENCH.parent)!r})
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python starts on a terminal
+        import bench, llm_inference as li
+        from tests.checkpoint import load_model
+        generate_long = li.generate_long
+        def generate_and_interrupt(*args, **kwargs):
+            signal.raise_signal(signal.SIGINT)
+            return generate_long(*args, **kwargs)
+        li.generate_long = generate_and_interrupt
+        bench.load_pair = lambda folder, dtype, bits: (*load_model(folder, dtype, bits)[:3], None)
+        bench.mlx_lm_runner = lambda model: None
+        bench.measure_bandwidth = lambda dtype: 1.0
+        sys.argv = ["bench.py", "--model", {str(tiny_folder)!r}, *{[str(f) for f in SMALL]!r}]
+        bench.run()"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, env=cli_env(tmp_path / ".hf-home"), timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-2:] == ["measuring: 5-token prompt, warm-up ...",
+                                             "bench.py: interrupted"], proc.stderr
+    assert "prompt runtime" not in proc.stdout  # no table
+
+
+def test_cache_lengths_take_decode_tokens(checkpoints, load_once, monkeypatch, capsys):
+    """Fix: --cache-lengths timed 16 new tokens whatever --decode-tokens said, and the context check
+    counted 16 too: 56 + 8 tokens, which fit a 64-token context, were refused, 40 + 30 went on.
+    Without --decode-tokens, still 16; with 1, no decode speed to time: one line."""
+    from tests.checkpoint import TINY_CONFIG
+
+    folder = checkpoints(TINY_CONFIG | {"max_position_embeddings": 64})
+    timed, runs = bench.timed, []
+    monkeypatch.setattr(bench, "timed", lambda run, prompt, n: runs.append(n) or timed(run, prompt, n))
+    assert bench_main(monkeypatch, "--model", folder, "--cache-lengths", 56, "--decode-tokens", 8,
+                      "--reps", 1) is None
+    out, err = capsys.readouterr()
+    assert ("the KV cache: decode tok/s over 8 new tokens, with the cache vs recomputing "
+            "everything, the median of 1 run\n") in out
+    assert runs == [4, 8, 4, 8]  # a warm-up and a run, with the cache and without
+    assert err.splitlines()[-2:] == ["measuring: 56 tokens of context, no cache, warm-up ...",
+                                     "measuring: 56 tokens of context, no cache, rep 1/1 ..."]
+    assert bench_main(monkeypatch, "--model", folder, "--cache-lengths", 40, "--decode-tokens",
+                      30) == ("bench.py: error: a prompt and its new tokens would reach 70 tokens, "
+                              "beyond the model's 64-token context: lower --prompt-lengths, "
+                              "--cache-lengths or --decode-tokens")
+    runs.clear()
+    assert bench_main(monkeypatch, "--model", folder, "--cache-lengths", 8, "--reps", 1) is None
+    assert "over 16 new tokens" in capsys.readouterr().out and runs == [4, 16, 4, 16]
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--model", str(folder), "--cache-lengths", "8",
+                                      "--decode-tokens", "1"])
+    with pytest.raises(SystemExit) as exit:  # the parser's error, before anything loads
+        bench.main()
+    assert exit.value.code == 2 and capsys.readouterr().err == (
+        "bench.py: error: argument --decode-tokens: --cache-lengths needs at least 2 (a decode "
+        "speed is timed from the second token) (see --help)\n")

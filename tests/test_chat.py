@@ -225,6 +225,17 @@ def test_a_message_that_needs_room_drops_only_the_oldest_turns(model, capsys):
     assert "forgot the oldest 1 turn)" in capsys.readouterr().err
 
 
+def test_make_room_drops_the_last_turn_too(model):
+    """Bug: make_room stopped before dropping the last remaining turn (dropped < len(turns) - 1)."""
+    _, config, _, tokenizer = model
+    config = config._replace(max_position_embeddings=80)
+    chat = li.Chat(None, config, tokenizer)
+    chat.turns = [("One", li.tokenize(tokenizer, "A reply of a few tokens."))]
+    alone = len(li.Chat(None, config, tokenizer).prompt_ids("Two"))
+    cli.make_room(chat, "Two", 80 - alone)  # fits only without the one earlier turn
+    assert chat.turns == []
+
+
 def test_a_conversation_that_fits_exactly_keeps_every_turn(model, capsys):
     """The prompt and a whole reply filling the context to its last position fit: nothing is dropped;
     one token more drops the oldest turn."""

@@ -24,12 +24,15 @@ import pytest
 
 import cli
 import llm_inference as li
+from tests.checkpoint import TINY_CONFIG
 from tests.test_cli import (  # noqa: F401 (fixtures)
     ERROR_PREFIX,
-    SCRIPT,
+    PAUSED_LINE,
     Reference,
     assert_one_line_error,
     cli_env,
+    paused_script,
+    read_until_paused,
     run_cli,
     stderr_lines,
     variant,
@@ -104,24 +107,25 @@ def test_a_piped_three_turn_chat_gives_the_official_templates_greedy_replies(
 
 def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_model, reference, hf_tokenizer, tmp_path):
     first_message, second_message = "Tell me a long story.", "Shorter, please."
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--model", str(tiny_model), "--chat",
+    script = paused_script(tmp_path)  # the first reply waits for Ctrl-C after its first token
+    proc = subprocess.Popen([sys.executable, str(script), "--model", str(tiny_model), "--chat",
                              "--temperature", "0", "--max-tokens", "400"], cwd=tmp_path,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=cli_env(tmp_path / ".hf-home"))
     try:
         proc.stdin.write(f"{first_message}\n".encode())
         proc.stdin.flush()
-        assert proc.stdout.read(1)  # the first reply is streaming (400 tokens take a second)
+        paused = read_until_paused(proc)  # the first reply is under way
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(f"{second_message}\n".encode(), timeout=300)
     finally:
         proc.kill()
-    out, err = out.decode(), err.decode()
+    out, err = out.decode(), (paused + err).decode()
     assert proc.returncode == 0 and "Traceback" not in err, err
     first, second = turn_lines(err)
     assert first[1] and not second[1]  # "Interrupted. Turn 1: ...", then an ordinary turn 2
     n_partial = int(first[5])
-    assert 0 < n_partial < 400
+    assert n_partial == 1  # the token printed before Ctrl-C
     # The partial reply stays in the history: turn 2 answers the conversation that includes it.
     ids = official_ids(hf_tokenizer, reference, None, [], first_message, True)
     partial = greedy(reference, ids, n_partial)
@@ -368,7 +372,8 @@ def test_in_a_terminal_line_editing_ctrl_c_and_ctrl_d(tiny_model, reference, hf_
         os.setsid()
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--model", str(tiny_model), "--chat",
+    script = paused_script(tmp_path, reply=2)  # the second reply waits for Ctrl-C
+    proc = subprocess.Popen([sys.executable, str(script), "--model", str(tiny_model), "--chat",
                              "--temperature", "0", "--max-tokens", "400"], cwd=tmp_path,
                             stdin=slave, stdout=slave, stderr=slave, preexec_fn=own_terminal,
                             env=cli_env(tmp_path / ".hf-home", TERM="xterm"))
@@ -395,7 +400,8 @@ def test_in_a_terminal_line_editing_ctrl_c_and_ctrl_d(tiny_model, reference, hf_
         assert text.replace("\n", "\r\n").encode() in seen  # the reply to "Hello", streamed
         start = len(seen)
         os.write(master, b"Go on\r")
-        assert read_until(rb"Go on\r\n.+")  # the second reply has started
+        # The second reply has started: its first token is printed, and it waits for Ctrl-C.
+        assert read_until(rb"Go on\r\n(?s:.*)" + re.escape(PAUSED_LINE.encode())), seen[start:]
         os.write(master, b"\x03")  # Ctrl-C
         assert read_until(rb"Interrupted\. Turn 2: .*\r\n>>> "), seen[start:]
         os.write(master, b"\x04")  # Ctrl-D at the prompt
@@ -450,6 +456,15 @@ def test_filters_given_without_sampling_are_said_to_be_ignored(tiny_model, tmp_p
     assert rc == 0
     assert err.splitlines()[0] == ("warning: --top-p only matters when sampling; greedy decoding ignores it "
                                    "(add --temperature)")
+
+
+@pytest.mark.parametrize("flag", ["--seed", "--top-k", "--min-p"])
+def test_a_seed_or_filter_of_0_without_sampling_is_said_to_be_ignored_too(flag, capsys):
+    """Bug: the greedy warning tested each flag's value for truth, not for being given: --seed 0,
+    --top-k 0 and --min-p 0 went unmentioned."""
+    cli.parse_args([flag, "0"])
+    assert capsys.readouterr().err == (f"warning: {flag} only matters when sampling; greedy "
+                                       "decoding ignores it (add --temperature)\n")
 
 
 def test_a_one_token_reply_is_counted_in_the_singular(tiny_model, tmp_path):
@@ -510,6 +525,30 @@ def test_chat_max_tokens_leaving_no_room_for_a_message_is_refused_at_start(tiny_
     assert_one_line_error(result, 1)
     assert result[2] == (f"{ERROR_PREFIX}the chat format takes 8 tokens, and a message at least one; with "
                          f"--max-tokens {max_tokens} that exceeds the model's 16-token context: lower --max-tokens\n")
+
+
+def test_a_chats_default_max_tokens_is_at_most_half_the_context(checkpoints, monkeypatch, capsys):
+    """Bug: the default --max-tokens was capped at half the context for a completion only: with
+    --chat, 8192 tokens per reply in a 1000-token context, and the chat refused at start."""
+    folder = checkpoints(TINY_CONFIG | {"max_position_embeddings": 1000})
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"/exit\n")))
+    assert li.main(["--model", str(folder), "--chat"]) == 0
+    assert "up to 500 tokens per reply" in capsys.readouterr().err
+
+
+def test_the_chat_format_counts_the_system_message(checkpoints, monkeypatch):
+    """Bug: --chat's start-up check of --max-tokens counted the format without --system."""
+    folder = checkpoints(TINY_CONFIG | {"max_position_embeddings": 80})
+    tokenizer = li.load_tokenizer(folder)
+    system = "You are a helpful assistant who answers briefly."
+    n_format = len(li.tokenize(tokenizer, li.chat_prompt("", system, True)))
+    assert n_format > len(li.tokenize(tokenizer, li.chat_prompt("", None, True))) + 5
+    fits = 80 - n_format - 1  # one token left for a message
+    flags = ["--model", str(folder), "--chat", "--system", system, "--temperature", "0.6"]
+    with pytest.raises(cli.UserError, match="and --system takes"):
+        li.main([*flags, "--max-tokens", str(fits + 1)])
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"/exit\n")))
+    assert li.main([*flags, "--max-tokens", str(fits)]) == 0
 
 
 def test_chat_max_tokens_leaving_room_for_a_short_message_runs(tiny_model, variant, tmp_path):

@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -399,7 +400,7 @@ def test_trace_narrates_one_forward_pass(tiny_model, reference, tmp_path, flags)
     assert len(header) == 2, err
     assert header[0].startswith("Model: tiny-qwen3 (2 layers, ")
     assert header[0].endswith(f" on {DEVICE}, float32"), header[0]
-    assert header[1] == f"Prompt: {PROMPT!r} (5 tokens), greedy"
+    assert header[1] == f"Prompt: {PROMPT!r} (5 tokens)"  # no sampling settings: a trace samples nothing
     lines = out.splitlines()
     assert lines[:3] == ["tokens: 5 ids 785 6722 315 9625 374",
                          "        'The' ' capital' ' of' ' France' ' is'",
@@ -856,8 +857,9 @@ def shard_of(folder, name):
 def test_shard_missing(sharded_model, tmp_path):
     folder = shutil.copytree(sharded_model, tmp_path / "m")
     (folder / "model-00002-of-00003.safetensors").unlink()
-    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
-                          f"{folder} lacks model-00002-of-00003.safetensors", "3 shards", "1 missing")
+    line = assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1)
+    assert line == (f"{ERROR_PREFIX}cannot read {folder / 'model-00002-of-00003.safetensors'} "
+                    "(No such file or directory); re-download it"), line
 
 
 @pytest.mark.parametrize("index", [b"{oops", b'{"metadata": {}}', b'{"weight_map": []}',
@@ -1071,9 +1073,19 @@ def test_default_folder_missing_no_download(app):
     assert not model_dir.exists()
 
 
+def offline_line(what, repo=cli.HF_REPO, local_dir="Qwen3-0.6B"):
+    """The error when HF_HUB_OFFLINE=1 keeps a model from downloading: no "run again" (it would fail
+    alike), but how to download: the command prints into local_dir, or into the cache (None)."""
+    files = f" {' '.join(cli.MODEL_FILES)}" if repo == cli.HF_REPO else ""
+    into = f" --local-dir {local_dir}" if local_dir else ""
+    return (f"{ERROR_PREFIX}{what}, and Hugging Face's offline mode is on (HF_HUB_OFFLINE): unset it to "
+            f"download {repo}, or fetch it with: hf download {repo}{files}{into}")
+
+
 def test_default_folder_missing_offline(app):
-    assert_one_line_error(run_cli(cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE="1"), 1,
-                          "could not download Qwen/Qwen3-0.6B", MANUAL_DOWNLOAD, str(app / "Qwen3-0.6B"))
+    line = assert_one_line_error(run_cli(cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE="1"), 1)
+    assert line == offline_line(f"model folder {app / 'Qwen3-0.6B'} not found"), line
+    assert "run again" not in line
     assert leftovers(app) == []
 
 
@@ -1093,8 +1105,8 @@ def test_default_folder_incomplete_offline(app, tiny_model):
     for name in ("config.json", "tokenizer.json", "generation_config.json"):
         shutil.copy(tiny_model / name, model_dir / name)
     before = {p.name: p.read_bytes() for p in model_dir.iterdir()}
-    assert_one_line_error(run_cli(cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE="1"), 1,
-                          "could not download Qwen/Qwen3-0.6B", MANUAL_DOWNLOAD, "Qwen3-0.6B")
+    line = assert_one_line_error(run_cli(cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE="1"), 1)
+    assert line == offline_line("Qwen3-0.6B lacks model.safetensors"), line  # ./Qwen3-0.6B, as found
     assert {p.name: p.read_bytes() for p in model_dir.iterdir()} == before  # untouched, nothing added
     assert leftovers(app) == ["Qwen3-0.6B"]
 
@@ -1266,20 +1278,35 @@ def test_download_failing_midway_never_looks_complete_and_resumes(app, tiny_mode
 REPO = "someone/Qwen3-Tiny-Sharded"
 
 
-def test_repo_id_is_downloaded_next_to_the_script_then_reused(app, sharded_model, greedy_24, tmp_path):
-    elsewhere = tmp_path / "elsewhere"  # the working folder: it holds no someone/ folder
+def snapshot(home, repo, finished=True):
+    """The folder a download of repo filled in Hugging Face's cache under HF_HOME `home`
+    (hub/models--OWNER--NAME/snapshots/<commit>/) and the names in it, after checking that it is
+    the snapshot of FakeHub.COMMIT, the only one, with no partial file (blobs/*.incomplete) left
+    once the download has finished."""
+    repo_dir = Path(home) / "hub" / f"models--{repo.replace('/', '--')}"
+    assert [p.name for p in (repo_dir / "snapshots").iterdir()] == [FakeHub.COMMIT]
+    assert not finished or list((repo_dir / "blobs").glob("*.incomplete")) == []
+    folder = repo_dir / "snapshots" / FakeHub.COMMIT
+    return folder, sorted(p.name for p in folder.iterdir())
+
+
+def test_repo_id_is_downloaded_into_the_cache_then_reused(app, sharded_model, greedy_24, tmp_path):
+    elsewhere = tmp_path / "elsewhere"  # the working folder
     elsewhere.mkdir()
+    home = tmp_path / "hf-home"  # HF_HOME, outside the working folder and the script's
     with FakeHub(sharded_model, repo=REPO) as hub:
         rc, out, err = run_cli("--model", REPO, "--max-tokens", 24, cwd=elsewhere, script=app / SCRIPT.name,
-                               **online(hub))
+                               HF_HOME=str(home), **online(hub))
     first, rest = err.split("\n", 1)
     shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     files = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
              cli.WEIGHTS_INDEX, *shards]
     total = sum(len(hub.files[name]) for name in files)
-    assert first == f"Downloading {REPO} (8 files, {total / 1e9:.2f} GB) into {app / REPO}/"
-    text, _, _, n_generated = parse_success((rc, out, rest))
+    assert first == (f"Downloading {REPO} (8 files, {total / 1e9:.2f} GB) into Hugging Face's cache "
+                     f"({home / 'hub'})")
+    text, lines, _, n_generated = parse_success((rc, out, rest))
     assert text == greedy_24 and n_generated == 24
+    assert lines[0].startswith(f"Model: {REPO} (2 layers, "), lines[0]
     gets = fetched(hub)
     # config.json and the index first (together, in either order), into a temporary folder,
     # checked before anything else; then the small files (in any order), then the shards; in the
@@ -1290,66 +1317,84 @@ def test_repo_id_is_downloaded_next_to_the_script_then_reused(app, sharded_model
     assert sorted(gets) == sorted([*files, "config.json", cli.WEIGHTS_INDEX]), gets  # no README.md
     # Every file from the commit model_info named, never from a branch that may move meanwhile.
     assert all(f"/resolve/{hub.COMMIT}/" in path for _, path in hub.requests if "/resolve/" in path)
-    assert downloaded(app / REPO) == sorted(files)
+    folder, names = snapshot(home, REPO)
+    assert names == sorted(files)
     for name in files:
-        assert (app / REPO / name).read_bytes() == hub.files[name], name
-    assert leftovers(app) == ["someone"] and leftovers(app / "someone") == [REPO.split("/")[1]]
-    # Afterwards: offline, from anywhere, the folder is used as it is; from the script's folder the repo id
-    # is also an existing path, which wins.
+        assert (folder / name).read_bytes() == hub.files[name], name
+    # Nothing beside the script, nor in the working folder: all of it is in the cache.
+    assert leftovers(app) == [] and list(elsewhere.iterdir()) == []
+    # Afterwards the cache's copy is used as it is: offline, from anywhere (the script's folder
+    # too), and online without a word to the hub.
     for cwd in (elsewhere, app):
-        text, _, _, _ = parse_success(run_cli("--model", REPO, "--max-tokens", 24, cwd=cwd,
-                                              script=app / SCRIPT.name))
-        assert text == greedy_24
+        text, lines, _, _ = parse_success(run_cli("--model", REPO, "--max-tokens", 24, cwd=cwd,
+                                                  script=app / SCRIPT.name, HF_HOME=str(home)))
+        assert text == greedy_24 and lines[0].startswith(f"Model: {REPO} ("), lines[0]
+    with FakeHub(sharded_model, repo=REPO) as hub:
+        text, lines, _, _ = parse_success(run_cli("--model", REPO, "--max-tokens", 24, cwd=elsewhere,
+                                                  script=app / SCRIPT.name, HF_HOME=str(home),
+                                                  **online(hub)))
+    assert text == greedy_24 and lines[0].startswith(f"Model: {REPO} ("), lines[0]
+    assert hub.requests == []
+    assert snapshot(home, REPO)[1] == sorted(files) and leftovers(app) == []
 
 
-def test_repo_id_failing_midway_never_looks_complete_and_resumes(app, sharded_model, greedy_24):
-    """A shard fails to arrive: the index, which comes last, has not either, so the folder does not
-    look complete; the next run fetches the rest, and runs."""
-    model_dir, shards = app / REPO, [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+def test_repo_id_failing_midway_never_looks_complete_and_resumes(app, sharded_model, greedy_24, tmp_path):
+    """A shard fails to arrive: the index, which comes last, has not either, so the cache's snapshot
+    does not look complete; the next run fetches the rest, and runs."""
+    home, shards = tmp_path / "hf-home", [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     with FakeHub(sharded_model, repo=REPO, missing={shards[1]}) as hub:
-        rc, out, err = run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, **online(hub))
+        rc, out, err = run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, HF_HOME=str(home),
+                               **online(hub))
     assert ("GET", f"/{REPO}/resolve/{hub.COMMIT}/{shards[0]}") in hub.requests
     first, rest = err.split("\n", 1)
     assert first.startswith(f"Downloading {REPO} (8 files, ")
-    assert_one_line_error((rc, out, rest), 1, f"model folder {model_dir} not found, and could not "
-                          f"download {REPO} (", "); run again to resume, or fetch it with: "
-                          f"hf download {REPO} --local-dir {REPO}")
-    files = downloaded(model_dir, finished=False)
+    line = assert_one_line_error((rc, out, rest), 1)
+    assert line.startswith(f"{ERROR_PREFIX}{REPO} is not in the Hugging Face cache, and could not "
+                           f"download {REPO} ("), line
+    assert line.endswith(f"); run again to resume, or fetch it with: hf download {REPO}"), line
+    _, files = snapshot(home, REPO, finished=False)
     assert shards[0] in files and shards[1] not in files and cli.WEIGHTS_INDEX not in files, files
     assert cli.missing_files(files) == ["model.safetensors"]
-    assert leftovers(app) == ["someone"] and leftovers(app / "someone") == [REPO.split("/")[1]]
+    assert leftovers(app) == []
 
     with FakeHub(sharded_model, repo=REPO) as hub:
         rc, out, err = run_cli("--model", REPO, "--max-tokens", 24, cwd=app,
-                               script=app / SCRIPT.name, **online(hub))
+                               script=app / SCRIPT.name, HF_HOME=str(home), **online(hub))
     first, rest = err.split("\n", 1)
     assert first.startswith(f"Downloading {REPO} (8 files, ")
     text, _, _, n_generated = parse_success((rc, out, rest))
     assert text == greedy_24 and n_generated == 24
     # What had arrived is kept (the shards are fetched together, so the one after the missing one
-    # may have come too); config.json and the index are fetched again to be checked first (in
-    # either order), and the index comes last, after the shards that were missing.
+    # may have come too); the index is fetched first, to be checked with config.json (which
+    # huggingface_hub copies from the cache, where it arrived with the small files), and again
+    # last, into the cache, after the shards that were missing.
     gets = fetched(hub)
-    assert sorted(gets[:2]) == sorted(["config.json", cli.WEIGHTS_INDEX]), gets
-    assert sorted(gets[2:-1]) == [shard for shard in shards if shard not in files], gets
+    assert gets[0] == cli.WEIGHTS_INDEX, gets
+    assert sorted(gets[1:-1]) == [shard for shard in shards if shard not in files], gets
     assert gets[-1] == cli.WEIGHTS_INDEX, gets
-    assert downloaded(model_dir) == sorted(hub.files.keys() - {"README.md", "LICENSE"})
-    for name in downloaded(model_dir):
-        assert (model_dir / name).read_bytes() == hub.files[name], name
-
-
-def test_repo_id_offline(app):
-    assert_one_line_error(run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE="1"), 1,
-                          f"model folder {app / REPO} not found", f"could not download {REPO}")
+    folder, names = snapshot(home, REPO)
+    assert names == sorted(hub.files.keys() - {"README.md", "LICENSE"})
+    for name in names:
+        assert (folder / name).read_bytes() == hub.files[name], name
     assert leftovers(app) == []
+
+
+def test_repo_id_offline(app, tmp_path):
+    home = tmp_path / "hf-home"
+    line = assert_one_line_error(run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name,
+                                         HF_HOME=str(home), HF_HUB_OFFLINE="1"), 1)
+    assert line == offline_line(f"{REPO} is not in the Hugging Face cache", REPO, None), line
+    assert leftovers(app) == [] and list(home.glob("hub/models--*")) == []
 
 
 @pytest.mark.parametrize("spelled", [REPO, f"{REPO}/", f"https://huggingface.co/{REPO}"],
                          ids=["id", "trailing slash", "address"])
 def test_repo_id_no_download(app, spelled):
     result = run_cli("--model", spelled, "--no-download", cwd=app, script=app / SCRIPT.name)
-    assert_one_line_error(result, 1, f"model folder {app / REPO} not found", "--no-download",
-                          f"fetch it with: hf download {REPO} --local-dir {REPO}")
+    line = assert_one_line_error(result, 1)
+    # The command fetches it into the cache, where the next run looks: no --local-dir.
+    assert line == (f"{ERROR_PREFIX}{REPO} is not in the Hugging Face cache and --no-download was "
+                    f"given; fetch it with: hf download {REPO}"), line
     assert leftovers(app) == []
 
 
@@ -1369,27 +1414,30 @@ def run_printed_command(command, cwd, tmp_path):
 
 @pytest.mark.parametrize("where", ["the current folder", "next to the script"])
 def test_the_printed_download_command_works_here_and_on_another_machine(tmp_path, where):
-    """The command printed when a model cannot be downloaded holds no path of this machine but, when the
-    model folder is not under the current folder, a cd to the script's folder: run as printed, it fills
-    the model folder here; run from the same place in a copy elsewhere (another machine), the copy's."""
+    """The command printed when the default model folder cannot be downloaded into holds no path of this
+    machine but, when the folder is not under the current folder, a cd to the script's folder: run as
+    printed, it fills the model folder here; run from the same place in a copy elsewhere (another
+    machine), the copy's. (A repo id's command names no folder: it fills the cache, test_repo_id_no_download.)"""
     app = tmp_path / "my app"  # a space, as in a Mac's "Application Support": the paths are quoted
     app.mkdir()
     copy_script(app)
     cwd = app if where == "the current folder" else tmp_path / "elsewhere"
     cwd.mkdir(exist_ok=True)
-    line = assert_one_line_error(run_cli("--model", REPO, "--no-download", cwd=cwd, script=app / SCRIPT.name),
-                                 1, f"model folder {app / REPO} not found")
+    model_dir = app / "Qwen3-0.6B"  # the default folder, next to the script (none in cwd)
+    line = assert_one_line_error(run_cli("--no-download", cwd=cwd, script=app / SCRIPT.name),
+                                 1, f"model folder {model_dir} not found")
     command = line.split("fetch it with: ", 1)[1]
-    assert run_printed_command(command, cwd, tmp_path) == app / REPO  # here
+    assert run_printed_command(command, cwd, tmp_path) == model_dir  # here
     cd = f"cd {shlex.quote(str(app))} && "
+    download = f"{MANUAL_DOWNLOAD} {' '.join(cli.MODEL_FILES)} --local-dir Qwen3-0.6B"
     if where == "the current folder":
-        assert command == f"hf download {REPO} --local-dir {REPO}"
+        assert command == download
     else:
-        assert command == f"{cd}hf download {REPO} --local-dir {REPO}"
+        assert command == f"{cd}{download}"
         command = command.removeprefix(cd)  # elsewhere, the cd goes to that machine's script folder
     assert str(tmp_path) not in command
     other = shutil.copytree(app, tmp_path / "another machine" / "app")
-    assert run_printed_command(command, other, tmp_path) == other / REPO
+    assert run_printed_command(command, other, tmp_path) == other / "Qwen3-0.6B"
 
 
 def test_repo_id_not_found(app, tiny_model):
@@ -1427,6 +1475,109 @@ def test_existing_folder_named_like_a_repo_id_is_never_downloaded_into(tiny_mode
     assert sorted(p.name for p in folder.iterdir()) == ["config.json"]
 
 
+CACHED = "someone/Name"  # a repo the tests below put into the cache by hand
+CACHED_COMMIT = "0123456789abcdef0123456789abcdef01234567"  # not FakeHub.COMMIT
+
+
+def cache_by_hand(home, repo, folder, leave_out=()):
+    """repo in Hugging Face's cache under HF_HOME `home`, laid out as `hf download` leaves it: each file
+    of folder (but leave_out) a blob named by its sha256, linked from snapshots/CACHED_COMMIT/, and
+    refs/main naming that commit. Returns the snapshot folder."""
+    repo_dir = Path(home) / "hub" / f"models--{repo.replace('/', '--')}"
+    folder_in_cache = repo_dir / "snapshots" / CACHED_COMMIT
+    folder_in_cache.mkdir(parents=True)
+    (repo_dir / "blobs").mkdir()
+    for path in sorted(Path(folder).iterdir()):
+        if path.name not in leave_out:
+            data = path.read_bytes()
+            blob = repo_dir / "blobs" / hashlib.sha256(data).hexdigest()
+            blob.write_bytes(data)
+            (folder_in_cache / path.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(CACHED_COMMIT)
+    return folder_in_cache
+
+
+def tree(folder):
+    """Every path under folder, with a file's bytes (a link's target): to see that nothing changed."""
+    return {str(p.relative_to(folder)): os.readlink(p) if p.is_symlink() else
+            p.read_bytes() if p.is_file() else None for p in sorted(Path(folder).rglob("*"))}
+
+
+@pytest.mark.parametrize("hub_mode", ["offline", "online"])
+def test_a_repo_id_in_the_cache_is_used_as_it_is(app, tiny_model, greedy_24, tmp_path, hub_mode):
+    """Issue 25: a repo `hf download` (or mlx-lm, transformers) put into Hugging Face's cache runs
+    from there: offline, and online without a word to the hub (which serves it too, so that a
+    download would succeed and be seen); nothing is written, beside the script or in the cache."""
+    home, work = tmp_path / "hf-home", tmp_path / "work"
+    work.mkdir()
+    cache_by_hand(home, CACHED, tiny_model)
+    before = tree(home)
+    with FakeHub(tiny_model, repo=CACHED) as hub:
+        env = online(hub) if hub_mode == "online" else {"HF_HUB_OFFLINE": "1"}
+        result = run_cli("--model", CACHED, "--max-tokens", 24, cwd=work, script=app / SCRIPT.name,
+                         HF_HOME=str(home), **env)
+    text, lines, _, n_generated = parse_success(result)  # the first line is the model's: no download
+    assert lines[0].startswith(f"Model: {CACHED} (2 layers, "), lines[0]
+    assert text == greedy_24 and n_generated == 24
+    assert hub.requests == [] and fetched(hub) == []
+    assert tree(home) == before and leftovers(app) == [] and list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize("cached", ["another repo", "all but the weights"])
+def test_a_repo_id_not_in_the_cache_offline_is_one_line_naming_hf_hub_offline(app, tiny_model, tmp_path,
+                                                                                cached):
+    """Issue 25: offline, a repo the cache lacks (or has only part of) is one line that says
+    HF_HUB_OFFLINE is why and how to fetch it, not "run again" (which would fail alike); the cache
+    is left as it is, and nothing is written beside the script."""
+    home, work = tmp_path / "hf-home", tmp_path / "work"
+    work.mkdir()
+    if cached == "another repo":
+        cache_by_hand(home, "someone/Other", tiny_model)
+    else:  # refs/main and a snapshot, without model.safetensors: not taken for a model
+        cache_by_hand(home, CACHED, tiny_model, leave_out={"model.safetensors"})
+    before = tree(home)
+    line = assert_one_line_error(run_cli("--model", CACHED, cwd=work, script=app / SCRIPT.name,
+                                         HF_HOME=str(home), HF_HUB_OFFLINE="1"), 1, "HF_HUB_OFFLINE")
+    assert line == offline_line(f"{CACHED} is not in the Hugging Face cache", CACHED, None), line
+    assert "run again" not in line
+    assert tree(home) == before and leftovers(app) == [] and list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", ["the working folder", "next to the script"])
+def test_the_default_repo_id_uses_a_complete_default_folder(app, tiny_model, greedy_24, tmp_path, where):
+    """Issue 25: --model Qwen/Qwen3-0.6B runs from the default folder when that is complete
+    (./Qwen3-0.6B, else the one next to the script), online too, without a word to the hub (which
+    serves the repo, so that a download would succeed and be seen): as under mlx.launch, which
+    passes --model on."""
+    home, work = tmp_path / "hf-home", tmp_path / "work"
+    work.mkdir()
+    folder = shutil.copytree(tiny_model, (work if where == "the working folder" else app) / "Qwen3-0.6B")
+    before = tree(folder)
+    with FakeHub(tiny_model) as hub:
+        result = run_cli("--model", cli.HF_REPO, "--max-tokens", 24, cwd=work, script=app / SCRIPT.name,
+                         HF_HOME=str(home), **online(hub))
+    text, lines, _, n_generated = parse_success(result)  # the first line is the model's: no download
+    assert lines[0].startswith(f"Model: {cli.HF_REPO} (2 layers, "), lines[0]
+    assert text == greedy_24 and n_generated == 24
+    assert hub.requests == []
+    assert tree(folder) == before and list(home.glob("hub/models--*")) == []
+    assert leftovers(app) == ([] if where == "the working folder" else ["Qwen3-0.6B"])
+    assert sorted(p.name for p in work.iterdir()) == (["Qwen3-0.6B"] if where == "the working folder" else [])
+
+
+@pytest.mark.parametrize("spelled", ["relative", "absolute"])
+def test_a_folder_given_through_a_link_is_named_after_the_link(tiny_model, tmp_path, spelled):
+    """Issue 25: the model line names the folder the user gave, a link by its own name, not its
+    target's (tiny-qwen3)."""
+    link = tmp_path / "my-model"
+    link.symlink_to(tiny_model, target_is_directory=True)
+    assert tiny_model.name != link.name
+    _, lines, _, _ = parse_success(run_cli("--model", "my-model" if spelled == "relative" else link,
+                                           "--max-tokens", 2, cwd=tmp_path))
+    assert lines[0].startswith("Model: my-model (2 layers, "), lines[0]
+
+
 @pytest.mark.parametrize("text, repo", [
     ("Qwen/Qwen3-1.7B", "Qwen/Qwen3-1.7B"),
     ("mlx-community/Qwen3-4B-4bit", "mlx-community/Qwen3-4B-4bit"),
@@ -1444,10 +1595,68 @@ def test_repo_id_or_folder(text, repo):
 # 5. Ctrl-C during generation
 # ------------------------------------------------------------------------------------------------
 
+# A test that interrupts a reply must not race the model, which may finish the reply before the
+# signal arrives: it runs the script through this wrapper, whose reply number `reply` (1 for the
+# first) stops after its first `after` tokens, each printed, says so on stderr and waits for SIGINT.
+PAUSED = """import os, signal, sys, time
+sys.path.insert(0, {root!r})
+import cli  # noqa: E402 (first, as llm_inference.py imports it)
+import llm_inference as li  # noqa: E402
+
+# SIGINT raises KeyboardInterrupt, even where the test runner was started with it ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+generate_long, replies = li.generate_long, 0
+
+
+def generate_then_wait(*args, **kwargs):  # every reply's tokens come from generate_long
+    global replies
+    replies += 1
+    for n, pair in enumerate(generate_long(*args, **kwargs), 1):
+        yield pair
+        if replies == {reply} and n == {after}:  # token n is printed: wait here for Ctrl-C
+            sys.stderr.flush()
+            os.write(2, {line!r}.encode() + b"\\n")  # one write: Ctrl-C comes once it is read
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                time.sleep(0.01)  # where SIGINT's KeyboardInterrupt is raised
+            sys.exit("paused.py: no SIGINT within 120 s")
+    if replies == {reply}:
+        sys.exit("paused.py: the reply ended before the pause")
+
+
+li.generate_long = generate_then_wait
+cli.run(li.main)
+"""
+PAUSED_LINE = "(paused for SIGINT)"
+
+
+def paused_script(folder, reply=1, after=1):
+    """The script, in `folder`, with reply number `reply` waiting for SIGINT after `after` tokens
+    (see PAUSED); it writes PAUSED_LINE to stderr when it starts waiting."""
+    path = Path(folder) / "paused.py"
+    path.write_text(PAUSED.format(root=str(SCRIPT.parent), reply=reply, after=after,
+                                  line=PAUSED_LINE))
+    return path
+
+
+def read_until_paused(proc, timeout=120):
+    """proc's stderr up to PAUSED_LINE, read from the pipe itself: bytes a buffered read took
+    would never reach communicate(), which reads the pipe."""
+    err, deadline = b"", time.monotonic() + timeout
+    while f"{PAUSED_LINE}\n".encode() not in err:
+        left = deadline - time.monotonic()
+        assert left > 0 and select.select([proc.stderr], [], [], left)[0], err.decode()
+        chunk = os.read(proc.stderr.fileno(), 65536)
+        assert chunk, f"ended before the pause: {err.decode()}"
+        err += chunk
+    return err
+
+
 def test_ctrl_c_keeps_text_and_prints_stats(tiny_model, reference, tmp_path):
-    max_tokens = 20000  # far more than can be generated before the interrupt; within the 40960 positions
+    max_tokens = 20000  # far more than the 8 tokens the reply pauses after; within the 40960 positions
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--model", str(tiny_model), "--max-tokens", str(max_tokens)],
+        [sys.executable, str(paused_script(tmp_path, after=8)), "--model", str(tiny_model),
+         "--max-tokens", str(max_tokens)],
         cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env=cli_env(tmp_path / ".hf-home"), start_new_session=False,
         # Python only turns SIGINT into KeyboardInterrupt when it starts with SIGINT at its default action; a
@@ -1465,10 +1674,10 @@ def test_ctrl_c_keeps_text_and_prints_stats(tiny_model, reference, tmp_path):
         reader.start()
     try:
         deadline = time.monotonic() + 60
-        while len(out) < 20 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
+        while PAUSED_LINE.encode() not in err and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # until the reply waits for the signal, its 8 tokens printed
         assert proc.poll() is None, f"finished before the interrupt (exit {proc.returncode}): {bytes(err).decode()}"
-        assert len(out) >= 20, "no text within 60 s"
+        assert PAUSED_LINE.encode() in err, "no pause within 60 s"
         before = bytes(out)
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=30)
@@ -1487,7 +1696,7 @@ def test_ctrl_c_keeps_text_and_prints_stats(tiny_model, reference, tmp_path):
     stats = STATS.search(last)
     assert stats, last
     n_generated = int(stats[2])
-    assert 1 <= n_generated < max_tokens
+    assert n_generated == 8  # the interrupted reply's tokens, each printed
     # What was printed is the greedy continuation, as far as it got.
     expected = reference.tokenizer.decode(reference.generate(PROMPT, n_generated), skip_special_tokens=True)
     assert expected.startswith(stdout[:-1]) and len(stdout[:-1]) > 0
@@ -1608,3 +1817,391 @@ def test_the_printed_download_command_quotes_its_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     words = shlex.split(cli.download_command("Qwen/Qwen3-0.6B", folder))
     assert words[-2:] == ["--local-dir", "my models/Qwen3 0.6B"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Prefill progress, the rates without the time spent printing, --top-probs' sampled column, byte
+# tokens, messages
+# ------------------------------------------------------------------------------------------------
+
+import io  # noqa: E402
+import types  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from tests.checkpoint import byte_to_unicode  # noqa: E402
+
+PROGRESS = re.compile(r"prefill: (\d+)/(\d+) tokens, (\d+) tok/s")
+RATES = re.compile(r"Prompt: (\d+) tokens?, ([\d.]+) tok/s \| Generated: (\d+) tokens?, ([\d.]+) "
+                   r"tok/s \| Total: ([\d.]+) s \| ")
+LONG_PROMPT = "The capital of France is Paris, and the capital of Italy is Rome. In Spain it is"
+
+
+class Terminal(io.StringIO):
+    """A stand-in for stderr on a terminal."""
+
+    def isatty(self):
+        return True
+
+
+class Clock:
+    """time.perf_counter for cli (cli.time stands for the time module there), set by hand."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def slow_writes(stream, clock, seconds):
+    """stream, whose writes of a progress line take `seconds` of the clock."""
+    write = stream.write
+
+    def slow(text):
+        if "prefill:" in text:
+            clock.now += seconds
+        return write(text)
+
+    stream.write = slow
+    return stream
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["not a terminal", "terminal"])
+def test_prefill_progress_shows_after_2_seconds_then_once_a_second(monkeypatch, capsys, terminal):
+    """cli.Prefill.show(done, total), on a clock set by hand: nothing in a prefill's first 2
+    seconds; then, on a terminal, each call rewrites one line (cleared by finish() for the reply),
+    elsewhere a line at most once a second. The rate leaves out the time the earlier lines took
+    to write (0.25 s each here), and start() begins afresh."""
+    clock = Clock()
+    monkeypatch.setattr(cli, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    stream = slow_writes(Terminal() if terminal else io.StringIO(), clock, 0.25)
+    monkeypatch.setattr(sys, "stderr", stream)
+    assert cli.Prefill.PROGRESS_AFTER == 2
+    prefill = cli.Prefill()
+    prefill.start()
+    for now, done in [(1.5, 1024), (2.5, 2048), (3.25, 3072), (3.5, 4096)]:
+        clock.now = now
+        prefill.show(done, 8192)
+    prefill.finish()
+    # Seconds of prefill at each call: 1.5; 2.5; 3.25 - 0.25 written = 3.0; then, on a terminal,
+    # 3.5 - 0.5 = 3.0, elsewhere 3.5 - 0.25 = 3.25 (the call at 3.25 s, 0.75 s after the last
+    # line, wrote none).
+    if terminal:
+        assert stream.getvalue() == ("\r\x1b[Kprefill: 2048/8192 tokens, 819 tok/s"  # each redrawn
+                                     "\r\x1b[Kprefill: 3072/8192 tokens, 1024 tok/s"  # from a clear
+                                     "\r\x1b[Kprefill: 4096/8192 tokens, 1365 tok/s\r\x1b[K")
+    else:
+        lines = stream.getvalue().split("\n")
+        assert lines == ["prefill: 2048/8192 tokens, 819 tok/s",  # no terminal codes in a log
+                         "prefill: 4096/8192 tokens, 1260 tok/s", ""], lines
+    assert prefill.spent == pytest.approx(0.75 if terminal else 0.5)
+    stream.seek(0)
+    stream.truncate()
+    prefill.start()  # the next prefill: its own 2 seconds, nothing to clear on a terminal
+    clock.now += 1.9
+    prefill.show(1024, 2000)
+    prefill.finish()
+    assert stream.getvalue() == "" and prefill.spent == 0
+
+
+def test_a_long_prefill_shows_its_progress_on_stderr_only(tiny_model, reference, monkeypatch,
+                                                          capsys):
+    """main() passes cli.PREFILL.show to generate_long: once a prefill has taken PROGRESS_AFTER
+    seconds (patched to 0 here), its progress goes to stderr, and stdout is the same. With the
+    default 2 seconds, a prefill as short as this one prints no progress line."""
+    monkeypatch.setattr(li, "PREFILL_CHUNK", 4)
+    n_prompt = len(reference.ids(LONG_PROMPT))  # 19: pieces of 4 tokens up to 16, then 3
+    args = ["--model", str(tiny_model), "--prompt", LONG_PROMPT, "--max-tokens", "8"]
+    assert li.main(args) == 0
+    plain = capsys.readouterr()
+    assert "prefill" not in plain.err, plain.err
+    monkeypatch.setattr(cli.Prefill, "PROGRESS_AFTER", 0)
+    assert li.main(args) == 0
+    shown = capsys.readouterr()
+    assert shown.out == plain.out and plain.out.strip()
+    lines = shown.err.split("\n")
+    progress = [PROGRESS.fullmatch(line) for line in lines if "prefill" in line]
+    assert progress and all(progress), shown.err
+    assert progress[0].group(1, 2) == ("4", str(n_prompt))  # the first piece's, then 1 a second
+    done = [int(m[1]) for m in progress]
+    assert done == sorted(set(done)) and all(d % 4 == 0 and d < n_prompt for d in done)
+    assert all(int(m[2]) == n_prompt and int(m[3]) > 0 for m in progress)
+    # Before the statistics line, and otherwise the same lines on stderr.
+    rest = [line for line in lines if "prefill" not in line]
+    scrub = lambda lines: [re.sub(r"[\d.]+ (tok/s|s|GB)\b", r"# \1", line) for line in lines]
+    assert scrub(rest) == scrub(plain.err.split("\n"))
+    statistics = next(i for i, line in enumerate(lines) if RATES.search(line))
+    assert all(i < statistics for i, line in enumerate(lines) if "prefill" in line)
+
+
+def timed_stream(monkeypatch):
+    """Records what cli.stream returns, (interrupted, prefill seconds, decode seconds), and the
+    seconds the call took in all."""
+    seen, stream = {}, cli.stream
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        seen["result"] = stream(*args, **kwargs)
+        seen["wall"] = time.perf_counter() - start
+        return seen["result"]
+
+    monkeypatch.setattr(cli, "stream", timed)
+    return seen
+
+
+def check_rates(err, seen, untimed):
+    """The statistics line shows stream()'s seconds, and those leave out `untimed` seconds (slept
+    while printing): together they fit in the call's time less those."""
+    stats = RATES.search(err.splitlines()[-1])
+    assert stats, err
+    interrupted, prefill_s, decode_s = seen["result"]
+    n_prompt, n = int(stats[1]), int(stats[3])
+    assert not interrupted and n > 1
+    assert stats[2] == f"{n_prompt / prefill_s:.1f}" and stats[4] == f"{(n - 1) / decode_s:.1f}"
+    assert stats[5] == f"{prefill_s + decode_s:.2f}"
+    assert 0 < prefill_s and 0 < decode_s and prefill_s + decode_s <= seen["wall"] - untimed, \
+        (prefill_s, decode_s, seen["wall"])
+
+
+def test_the_prefill_rate_leaves_out_the_time_progress_takes(tiny_model, monkeypatch, capsys):
+    """Each progress line takes 0.5 s to write here (a terminal: every piece writes one): the
+    statistics' prefill rate, and the later progress lines' rates, are those of the computation
+    alone."""
+    monkeypatch.setattr(li, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr(cli.Prefill, "PROGRESS_AFTER", 0)
+    terminal = Terminal()
+    write = terminal.write
+    terminal.write = lambda text: (time.sleep(0.5) if "prefill:" in text else None, write(text))[1]
+    monkeypatch.setattr(sys, "stderr", terminal)
+    seen = timed_stream(monkeypatch)
+    assert li.main(["--model", str(tiny_model), "--prompt", LONG_PROMPT, "--max-tokens", "4"]) == 0
+    err = terminal.getvalue()
+    progress = [PROGRESS.fullmatch(part) for part in err.split("\r\x1b[K") if part.startswith("prefill")]
+    assert len(progress) >= 3 and all(progress), err  # one per piece
+    check_rates(err, seen, 0.5 * len(progress))
+    prefill_s = seen["result"][1]
+    for m in progress[1:]:  # not slowed by the lines before: at least done / the whole prefill
+        assert int(m[3]) >= int(m[1]) / prefill_s - 1, (m[0], prefill_s)
+
+
+def test_a_chat_shows_prefill_progress_and_its_rate_leaves_it_out(tiny_model, monkeypatch):
+    """chat_loop passes cli.PREFILL.show to each reply: progress on stderr (a terminal here, each
+    line taking 0.5 s to write), and the turn's prefill rate without that time."""
+    monkeypatch.setattr(li, "PREFILL_CHUNK", 4)
+    monkeypatch.setattr(cli.Prefill, "PROGRESS_AFTER", 0)
+    terminal = Terminal()
+    write = terminal.write
+    terminal.write = lambda text: (time.sleep(0.5) if "prefill:" in text else None, write(text))[1]
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Name a city in France.\n")))
+    seen = timed_stream(monkeypatch)
+    assert li.main(["--model", str(tiny_model), "--chat", "--max-tokens", "4", "--seed", "1"]) == 0
+    err = terminal.getvalue()
+    progress = [PROGRESS.fullmatch(part) for part in err.split("\r\x1b[K") if part.startswith("prefill")]
+    assert len(progress) >= 3 and all(progress), err
+    turn = re.search(r"Turn 1: 0 tokens reused from the cache, (\d+) prefilled at ([\d.]+) tok/s",
+                     err)
+    assert turn and int(turn[1]) == int(progress[0][2]), err
+    _, prefill_s, decode_s = seen["result"]
+    assert turn[2] == f"{int(turn[1]) / prefill_s:.1f}"
+    assert prefill_s + decode_s <= seen["wall"] - 0.5 * len(progress), (prefill_s, seen["wall"])
+
+
+def test_the_decode_rate_leaves_out_the_top_probs_table(tiny_model, monkeypatch, capsys):
+    """--top-probs prints its table after the first token: the second it takes here is no part of
+    the decode rate (nor of the prefill's)."""
+    print_top_probs = cli.print_top_probs
+    monkeypatch.setattr(cli, "print_top_probs",
+                        lambda *args, **kwargs: (time.sleep(1), print_top_probs(*args, **kwargs)))
+    seen = timed_stream(monkeypatch)
+    assert li.main(["--model", str(tiny_model), "--max-tokens", "6", "--top-probs", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "rank  token" in err
+    check_rates(err, seen, 1.0)
+
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def transformers_sampling(logits, temperature, top_k, top_p, min_p):
+    """The distribution transformers' generate() draws from, written with numpy: its warpers in
+    its order (temperature, top-k, top-p, min-p), each as transformers writes it."""
+    scores = logits.astype(np.float64) / temperature
+    if top_k > 0:  # TopKLogitsWarper: below the k-th largest score goes
+        kth = np.sort(scores)[-min(top_k, scores.size)]
+        scores = np.where(scores < kth, -np.inf, scores)
+    if top_p < 1:  # TopPLogitsWarper: ascending, the tokens whose cumulative mass <= 1 - top_p go
+        order = np.argsort(scores, kind="stable")
+        cumulative = np.cumsum(softmax(scores[order]))
+        remove = cumulative <= 1 - top_p
+        remove[-1] = False  # min_tokens_to_keep=1
+        scores[order[remove]] = -np.inf
+    if min_p > 0:  # MinPLogitsWarper: below min_p times the top probability goes
+        probs = softmax(scores)
+        scores = np.where(probs < min_p * probs.max(), -np.inf, scores)
+    return softmax(scores)
+
+
+SAMPLED_CASES = {  # name: (flags, (temperature, top-k, top-p, min-p); None: generation_config's)
+    "top-k 2": (["--temperature", "0.7", "--top-k", "2", "--top-p", "1"], (0.7, 2, 1.0, 0.0)),
+    "top-k 2, the file's top-p": (["--temperature", "0.7", "--top-k", "2"], (0.7, 2, None, 0.0)),
+    "min-p": (["--temperature", "2", "--top-k", "0", "--top-p", "1", "--min-p", "0.1"],
+              (2.0, 0, 1.0, 0.1)),
+    "all four": (["--temperature", "5", "--top-k", "8", "--top-p", "0.8", "--min-p", "0.42"],
+                 (5.0, 8, 0.8, 0.42)),
+}
+
+
+@pytest.mark.parametrize("case", [*SAMPLED_CASES, "greedy"])
+def test_the_top_probs_table_shows_the_distribution_the_first_token_is_drawn_from(
+        tiny_model, monkeypatch, capsys, case):
+    """When sampling, a `sampled` column: the probabilities after the temperature, top-k, top-p
+    and min-p, as transformers computes them from the same logits (0 for a token that cannot be
+    drawn), and the first token is one of those that can. Greedy: no such column."""
+    flags, settings = SAMPLED_CASES.get(case, ([], None))
+    seen, print_top_probs = [], cli.print_top_probs
+
+    def record(logits, *args, **kwargs):
+        seen.append(np.array(logits.astype(mx.float32)))
+        return print_top_probs(logits, *args, **kwargs)
+
+    monkeypatch.setattr(cli, "print_top_probs", record)
+    generate_long, first = li.generate_long, []
+    monkeypatch.setattr(li, "generate_long", lambda *args, **kwargs: (
+        first.append(token_id) or (token_id, logits) for token_id, logits in
+        generate_long(*args, **kwargs)))
+    n_rows = 10
+    assert li.main(["--model", str(tiny_model), "--max-tokens", "1", "--seed", "5",
+                    "--top-probs", str(n_rows), *flags]) == 0
+    lines = stderr_lines(capsys.readouterr().err)
+    header = "rank  token                 id  probability"
+    if settings is None:
+        assert header in lines and not any("sampled" in line for line in lines), lines
+        return
+    assert f"{header}  sampled" in lines, lines
+    rows = lines[lines.index(f"{header}  sampled") + 1:][:n_rows]
+    parsed = [re.fullmatch(r"\s*(\d+)  (.+?)\s+(\d+)  (\d\.\d{4})  +(\d\.\d{4})", row)
+              for row in rows]
+    assert all(parsed), rows
+    temperature, top_k, top_p, min_p = settings
+    if top_p is None:
+        top_p = json.loads((tiny_model / "generation_config.json").read_text())["top_p"]
+    (logits,) = seen
+    expected = transformers_sampling(logits, temperature, top_k, top_p, min_p)
+    probs = softmax(logits.astype(np.float64))
+    ids = [int(m[3]) for m in parsed]
+    assert ids == list(np.argsort(-probs, kind="stable")[:n_rows])
+    for m, token_id in zip(parsed, ids):
+        assert float(m[4]) == pytest.approx(probs[token_id], abs=1e-4), m[0]
+        assert float(m[5]) == pytest.approx(expected[token_id], abs=1e-4), m[0]
+        if expected[token_id] == 0:
+            assert m[5] == "0.0000", m[0]
+    cut = [bool(expected[i] == 0) for i in ids]
+    assert any(cut) and not cut[0], cut  # the case cuts some rows, keeps the likeliest
+    if top_k == 2:  # the third row cannot be drawn; the second can unless top-p cuts it
+        assert parsed[2][5] == "0.0000" and cut[1] is (top_p < 1), rows
+    assert expected[first[0]] > 0  # the token drawn could be
+
+
+def expected_piece(tokenizer, token_id):
+    """How a token should show, decoded independently of cli.py: its vocabulary entry's bytes
+    (GPT-2's byte alphabet, tests/checkpoint.py's), whole characters in quotes as Python writes
+    them, bytes that are no whole character as <0xNN>."""
+    to_byte = {char: byte for byte, char in byte_to_unicode().items()}
+    data = bytes(to_byte[char] for char in tokenizer.id_to_token(token_id))
+    shown, text, i = "", "", 0
+    while i < len(data):
+        for n in (1, 2, 3, 4):
+            try:
+                char = data[i:i + n].decode("utf-8")
+                break
+            except UnicodeDecodeError:
+                char = None
+        if char is None:
+            shown += (repr(text) if text else "") + f"<0x{data[i]:02X}>"
+            text, i = "", i + 1
+        else:
+            text, i = text + char, i + n
+    return shown + (repr(text) if text or not shown else "")
+
+
+def test_piece_shows_bytes_that_are_no_whole_character(reference):
+    """Byte-level BPE has a token for each of the 256 bytes: the 128 ASCII ones are characters,
+    shown as text in quotes; the others are pieces of characters, shown as <0xNN> (Qwen's id 239
+    is the byte 0x91). A token of a space and such bytes shows both; whole characters, special
+    tokens, CJK and emoji as text."""
+    tokenizer = reference.tokenizer
+    ids = [tokenizer.token_to_id(byte_to_unicode()[byte]) for byte in range(256)]
+    assert None not in ids and len(set(ids)) == 256 and ids[0x91] == 239
+    for byte, token_id in enumerate(ids):
+        shown = cli.piece(tokenizer, token_id)
+        assert shown == expected_piece(tokenizer, token_id), (byte, token_id, shown)
+        assert shown == (repr(chr(byte)) if byte < 0x80 else f"<0x{byte:02X}>"), (byte, shown)
+    assert cli.piece(tokenizer, 239) == "<0x91>"
+    assert cli.piece(tokenizer, 636) == expected_piece(tokenizer, 636) == "' '<0xE2><0x80>"
+    for token_id, text in [(12095, " Paris"), (107672, "领导人"), (145080, "🙂"),
+                           (151645, "<|im_end|>"),
+                           (tokenizer.token_to_id("'"), "'"), (tokenizer.token_to_id("Ċ"), "\n")]:
+        assert cli.piece(tokenizer, token_id) == repr(text), token_id
+        if token_id < 151643:  # not a special token
+            assert expected_piece(tokenizer, token_id) == repr(text)
+
+
+BYTES_PROMPT = "The 🦩 is ꙮ"  # 🦩 and ꙮ are split into byte tokens (one with a space)
+
+
+def test_the_top_probs_table_and_the_trace_show_byte_tokens(reference, capsys):
+    """In --top-probs' table and in all of --trace's token lines (the prompt's tokens, the lens
+    after each block, the final pick and table), a byte that is no whole character is <0xNN>, not
+    the � that decoding it alone gives."""
+    tokenizer, config = reference.tokenizer, reference.config
+    ids = [239, 12095, 125001, 636, 107672]  # <0x91> ' Paris' <0xEA><0x99> ' '<0xE2><0x80> 领导人
+    logits = mx.full((config.vocab_size,), -100.0)
+    logits[mx.array(ids)] = mx.array([5.0, 4.0, 3.0, 2.0, 1.0])
+    cli.print_top_probs(logits, tokenizer, 5, file=sys.stdout)
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [row.split()[1] for row in rows[:3]] == ["<0x91>", "'", "<0xEA><0x99>"]
+    assert [re.fullmatch(r"\s*\d+  (.+?)\s+\d+  \d\.\d{4}", row)[1] for row in rows] == \
+        [expected_piece(tokenizer, i) for i in ids]
+    assert "\ufffd" not in "".join(rows)
+    # The trace, its final logits made to pick the byte 0x91.
+    prompt = reference.ids(BYTES_PROMPT)
+    pieces = [expected_piece(tokenizer, i) for i in prompt]
+    assert any(p.startswith("<0x") for p in pieces) and any("'<0x" in p for p in pieces), pieces
+    li.trace(prompt, reference.weights, config, tokenizer, final=logits)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "        " + " ".join(pieces), lines[1]
+    after = next(line for line in lines if line.startswith("after each block: "))
+    assert "the rank there of <0x91>, the final pick" in after, after
+    blocks = [line for line in lines if re.match(r"block +\d+ done: ", line)]
+    assert len(blocks) == config.num_hidden_layers
+    assert all(re.search(r", <0x91> #\d+$", line) for line in blocks), blocks
+    assert lines[-5].split()[:2] == ["1", "<0x91>"] and lines[-6].startswith("rank  token")
+    assert "\ufffd" not in "\n".join(lines)
+
+
+@pytest.mark.parametrize("stdin", [b"", b"\n", b" \r\n"], ids=["empty", "newline", "blank line"])
+def test_an_empty_prompt_on_stdin_says_to_pipe_some_text_in(tiny_model, monkeypatch, stdin):
+    """--prompt - with nothing on stdin: the fix is to pipe text in, not --prompt's text (which
+    it says for an empty --prompt)."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    with pytest.raises(cli.UserError) as error:
+        li.main(["--model", str(tiny_model), "--prompt", "-"])
+    assert str(error.value) == "the prompt is empty; pipe some text in"
+    with pytest.raises(cli.UserError) as error:
+        li.main(["--model", str(tiny_model), "--prompt", stdin.decode()])
+    assert str(error.value) == "the prompt is empty; pass some text with --prompt"
+
+
+@pytest.mark.parametrize("flags", [[], ["--temperature", "0.7", "--top-k", "2", "--min-p", "0.1",
+                                        "--seed", "3", "--presence-penalty", "1"]],
+                         ids=["greedy", "sampling flags"])
+def test_the_trace_header_has_no_sampling_settings(tiny_model, capsys, flags):
+    """--trace draws no token: its Prompt: line names no sampling (not even greedy)."""
+    assert li.main(["--model", str(tiny_model), "--trace", *flags]) == 0
+    lines = stderr_lines(capsys.readouterr().err)
+    assert [line for line in lines if line.startswith("Prompt: ")] == [
+        f"Prompt: {PROMPT!r} (5 tokens)"], lines

@@ -24,6 +24,7 @@ refused split or a failure that leaves a process waiting forever (every process 
 itself, in time).
 """
 
+import gc
 import json
 import os
 import re
@@ -42,7 +43,7 @@ import pytest
 
 import cli
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG, write_checkpoint, load_model
+from tests.checkpoint import TINY_CONFIG, write_checkpoint, load_model, weight_bytes
 from tests.test_cli import SCRIPT, cli_env
 
 PROMPT = "The capital of France is"
@@ -524,6 +525,46 @@ def test_quantization_groups_are_never_cut(folders):
     assert li.can_split(li.load_config(stored), 2, 64) and not li.can_split(config, 3)
 
 
+def halves(config):
+    """config as each of 2 processes runs it, written out here (not split_config's)."""
+    return config._replace(num_attention_heads=config.num_attention_heads // 2,
+                           num_key_value_heads=config.num_key_value_heads // 2,
+                           intermediate_size=config.intermediate_size // 2)
+
+
+def test_each_process_checks_the_memory_of_its_own_share(tiny_model, monkeypatch):
+    """Bug: split_config kept the whole intermediate_size, so each process's memory check (main's
+    check_fit, on split_config's config) counted the whole feed-forward: a split model that fits
+    was refused."""
+    config = li.load_config(tiny_model)
+    needed = weight_bytes(halves(config), mx.float32)  # this process's share, byte for byte
+    monkeypatch.setattr(cli, "gpu_working_set", lambda: None)
+    monkeypatch.setattr(cli, "memory_size", lambda: needed - 1)
+    with pytest.raises(cli.UserError, match="the weights need"):
+        load_model(tiny_model, mx.float32, group=Group(2))
+    monkeypatch.setattr(cli, "memory_size", lambda: needed)
+    shares, _, _, _ = load_model(tiny_model, mx.float32, group=Group(2))
+    assert shares == halves(config)
+
+
+def test_each_process_holds_only_its_share_once_loaded(checkpoints):
+    """Bug: use_tensor_parallelism without mx.eval of each share: every whole matrix stayed held
+    (the shares, not yet computed, refer to it) until the first forward pass, doubling what a
+    process holds of the split matrices. Here they are 72% of the weights (the embedding table,
+    151936 x 64, is not split)."""
+    folder = checkpoints(TINY_CONFIG | {"intermediate_size": 32768, "num_hidden_layers": 4})
+    config = li.load_config(folder)
+    whole, share = weight_bytes(config, mx.float32), weight_bytes(halves(config), mx.float32)
+    assert whole - share > 0.35 * whole
+    gc.collect()
+    before = mx.get_active_memory()
+    _, weights, _, _ = load_model(folder, mx.float32, group=Group(2))
+    gc.collect()
+    held = mx.get_active_memory() - before
+    assert abs(held - share) < 0.1 * (whole - share), (held, share, whole)
+    del weights
+
+
 REFUSALS = {  # name: (processes, flags, exit code, process 0's line after "llm_inference.py: ")
     "a split": (3, ["--max-tokens", 4], 1, "error: {tiny} cannot be split over 3 processes (whole "
                 "heads and quantization groups): use 1, 2"),
@@ -601,3 +642,90 @@ def test_a_process_killed_mid_reply_ends_the_other(folders, tmp_path, killed):
         assert sum(line.startswith("llm_inference.py") for line in own_lines(survivor.err)) == 1
     else:  # nothing at all: MLX's own lines about the lost peer go nowhere too
         assert survivor.err == survivor.out == b"", survivor.report()
+
+
+# ------------------------------------------------------------------------------------------------
+# Ctrl-C under mlx.launch, on a terminal
+# ------------------------------------------------------------------------------------------------
+
+import contextlib  # noqa: E402
+import fcntl  # noqa: E402
+import pty  # noqa: E402
+import termios  # noqa: E402
+
+
+def ctrl_c_under_mlx_launch(script, model, cwd, seconds=60, after=20):
+    """`mlx.launch -n 2 --backend ring -- python script --model model --max-tokens 20000` on a
+    terminal of its own (a pseudo-terminal, which it has as controlling terminal, as a shell
+    gives it), then Ctrl-C once the reply streams: SIGINT to its process group, as the terminal
+    sends it. Returns what the terminal received, as text (newlines as the terminal writes them,
+    \\r\\n), up to when every process on it ended: by itself, or killed `seconds` after the start
+    or `after` seconds after the Ctrl-C (MLX's hang, test_a_process_killed_mid_reply_ends_the_other,
+    which mlx.launch, its output loop ended by the Ctrl-C, would wait for without end)."""
+    master, slave = pty.openpty()
+
+    def own_terminal():  # in the child: a new session, the pty its controlling terminal
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a shell starts it (not SIG_IGN)
+
+    command = [Path(sys.executable).parent / "mlx.launch", "-n", 2, "--backend", "ring",
+               "--starting-port", free_ports(2), "--", sys.executable, script, "--model", model,
+               "--max-tokens", 20000]
+    launch = subprocess.Popen(list(map(str, command)), cwd=cwd, stdin=slave, stdout=slave,
+                              stderr=slave, env=cli_env(Path(cwd) / ".hf-home"),
+                              start_new_session=True, preexec_fn=own_terminal)
+    os.close(slave)
+    received = bytearray()
+
+    def read():
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every process on the terminal closed it
+                return
+            if not data:
+                return
+            received.extend(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    text = lambda: received.decode("utf-8", errors="replace")
+    deadline = time.monotonic() + seconds
+    try:
+        header = f"Prompt: '{PROMPT}' (5 tokens), greedy\r\n"
+        while (header not in text() or len(text().split(header, 1)[1]) < 20) and \
+                launch.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the reply is under way
+        assert launch.poll() is None and header in text(), f"no reply streaming:\n{text()}"
+        os.killpg(launch.pid, signal.SIGINT)  # Ctrl-C: to every process of the foreground group
+        deadline = min(deadline, time.monotonic() + after)
+        while reader.is_alive() and time.monotonic() < deadline:
+            reader.join(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launch.pid, signal.SIGKILL)  # what is left of it (a hung process 1)
+        launch.wait()
+        reader.join(10)
+        os.close(master)
+    return text()
+
+
+def test_ctrl_c_under_mlx_launch_keeps_the_statistics_line(tiny_model, tmp_path):
+    """mlx.launch stops passing the processes' output on once it gets Ctrl-C, and Ctrl-C reaches
+    every process of the group: process 0 stops, finishes the step the others share and writes
+    its statistics line to the terminal itself (/dev/tty); the others ignore it, and end when
+    process 0 has exited. The line reaches the terminal, and process 0 exits 130 (mlx.launch says
+    so). 40960 positions: room for far more tokens than stream before the Ctrl-C."""
+    assert li.load_config(tiny_model).max_position_embeddings >= 20005
+    started = time.monotonic()
+    received = ctrl_c_under_mlx_launch(SCRIPT, tiny_model, tmp_path)
+    lines = received.split("\r\n")
+    stats = [line for line in lines if "Interrupted. Prompt: 5 tokens" in line]
+    assert len(stats) == 1, received
+    # The reply's text, cut off by the Ctrl-C, may precede it on its line.
+    assert re.search(r"Interrupted\. Prompt: 5 tokens(, [\d.]+ tok/s)? \| Generated: \d+ tokens?"
+                     r"(, [\d.]+ tok/s)? \| Total: [\d.]+ s \| Peak memory: [\d.]+ GB$", stats[0]), \
+        stats[0]
+    assert re.search(r"\[WARN\] Node with rank 0 exited with code 130\b", received), received
+    assert "Node with rank 1 exited with code 130" not in received, received  # it ignored Ctrl-C
+    assert time.monotonic() - started < 60

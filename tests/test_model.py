@@ -216,6 +216,31 @@ def test_temperature_reshapes_the_distribution(temperature):
     assert np.all(np.abs(freq - expected) <= 5 * np.sqrt(expected * (1 - expected) / len(samples)) + 1e-9)
 
 
+def test_each_sampled_token_uses_a_fresh_split_key(tiny):
+    """Bug: generate() drew with the carried key instead of the one split off for the step."""
+    config = li.load_config(tiny)
+    weights = li.load_weights(tiny, config, mx.float32)
+    sampling = li.Sampling(temperature=1.0, seed=11)
+    prompt = li.tokenize(li.load_tokenizer(tiny), "The capital of France is")
+    got = [t for t, _ in li.generate(prompt, weights, config, 12, sampling)]
+    ids, key, expected = list(prompt), mx.random.key(11), []
+    for _ in range(12):  # the whole sequence again at every step: no cache to get wrong
+        logits = li.forward(mx.array(ids), weights, config, li.make_cache(config))
+        key, pick = mx.random.split(key)
+        expected.append(mx.random.categorical(li.filter_logits(logits, sampling), key=pick).item())
+        ids.append(expected[-1])
+    assert got == expected
+
+
+def test_top_p_drops_a_token_whose_preceding_mass_equals_top_p():
+    """Bug: top-p kept a token when the mass before it was exactly top_p (<= instead of <)."""
+    logits = mx.array([3.0, 2.0, 1.0, 0.5, 0.0])
+    probs = mx.softmax(logits)
+    before = (mx.cumsum(probs) - probs)[2].item()  # the exact float32 mass before the third token
+    kept = li.filter_logits(logits, li.Sampling(temperature=1.0, top_p=before)) > -mx.inf
+    assert kept.tolist() == [True, True, False, False, False]
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_without_the_cache_the_tokens_and_logits_are_the_same(checkpoint, fused):
     """--no-cache recomputes the whole sequence at every step: slower, but the very same results."""
@@ -271,6 +296,22 @@ def test_memory_check_refuses_only_what_does_not_fit():
         cli.check_memory(8 * 10**9, 7.9e9, mx.bfloat16)
     with pytest.raises(cli.UserError, match=r"16\.4 GB as float32.*try --dtype bfloat16 \(half the bytes\), --quantize 4"):
         cli.check_memory(16.4e9, 8e9, mx.float32)
+
+
+def test_the_memory_check_counts_an_untied_head(checkpoints, monkeypatch):
+    """Bug: main()'s memory check counted an untied model as tied, leaving out its LM head (1.24 GB
+    for Qwen3-8B in bfloat16)."""
+    folder = checkpoints(TINY_CONFIG | {"tie_word_embeddings": False})
+    config = li.load_config(folder)
+    needed = weight_bytes(config, mx.float32)
+    assert needed > weight_bytes(config._replace(tie_word_embeddings=True), mx.float32)
+    monkeypatch.setattr(cli, "memory_size", lambda: needed - 1)
+    monkeypatch.setattr(cli, "gpu_working_set", lambda: None)
+    flags = ["--model", str(folder), "--dtype", "float32", "--max-tokens", "2"]
+    with pytest.raises(cli.UserError, match="the weights need"):
+        li.main(flags)
+    monkeypatch.setattr(cli, "memory_size", lambda: needed)
+    assert li.main(flags) == 0
 
 
 def test_memory_size_is_this_machines_memory():
@@ -410,3 +451,37 @@ def test_stored_head_differs_only_for_a_different_matrix(tmp_path, head, differs
     else:  # tied: one array, not a copy
         assert weights["lm_head"] is weights["embed_tokens"]
 
+
+
+@pytest.mark.parametrize("length, calls", [
+    (50, [16, 32, 48]),  # pieces of 16: 16 + 16 + 16 + 2
+    (32, [16]),  # the last piece, 16 tokens, goes to generate()
+    (17, [16]),
+    (16, []),  # one piece: nothing to report
+    (1, []),
+], ids=["50", "32", "17", "16", "1"])
+def test_generate_long_reports_its_progress_after_each_piece(tiny, monkeypatch, length, calls):
+    """progress(done, total) after each piece that goes through the model before the last: done
+    counts the prompt's tokens now in the cache (the piece has run), total the prompt's; with
+    PREFILL_CHUNK 1024, (1024, total), (2048, total), ... Never for a prompt of one piece, and
+    always before the first token. The tokens are generate()'s."""
+    config = li.load_config(tiny)
+    weights = li.load_weights(tiny, config, mx.float32)
+    monkeypatch.setattr(li, "PREFILL_CHUNK", 16)  # 1024 would take seconds of CPU here
+    prompt = mx.random.randint(0, config.vocab_size, (length,), key=mx.random.key(8)).tolist()
+    whole = tokens(li.generate(prompt, weights, config, max_tokens=5))
+    cache, events = li.make_cache(config), []
+
+    def progress(done, total):
+        events.append((done, total, [c.offset for c in cache]))
+
+    generated = []
+    for token_id, _ in li.generate_long(prompt, weights, config, 5, cache=cache, progress=progress):
+        generated.append(token_id)
+        events.append("token")
+    assert generated == whole
+    reported = [event for event in events if event != "token"]
+    assert [(done, total) for done, total, _ in reported] == [(done, length) for done in calls]
+    assert events[:len(reported)] == reported  # all of them before the first token
+    for done, _, offsets in reported:
+        assert offsets == [done] * config.num_hidden_layers  # the piece is in the cache

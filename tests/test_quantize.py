@@ -234,6 +234,14 @@ def stored(request, checkpoints, mlx_lm_loaded):
     return folder, out, settings
 
 
+def test_a_differing_stored_head_is_quantized_too(checkpoints):
+    """Bug: with --quantize, a tied config's different stored lm_head.weight stayed in floats."""
+    folder = checkpoints(TINY_CONFIG, tied_head="different")
+    _, weights, _, _ = load_model(folder, mx.float32, 4)
+    assert isinstance(weights["lm_head"], li.Quantized) and weights["lm_head"].bits == 4
+    assert weights["lm_head"] is not weights["embed_tokens"]
+
+
 def named_matrices(weights, config):
     named = {"model.embed_tokens": weights["embed_tokens"]}
     if not config.tie_word_embeddings:
