@@ -47,6 +47,8 @@ MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "to
                "tokenizer_config.json")
 NEEDED_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # the other two are optional
 WEIGHTS_INDEX = "model.safetensors.index.json"  # stands in for model.safetensors when sharded
+# What a repo id's copy in Hugging Face's cache must hold of what its repo has: what is downloaded.
+CACHED_FILES = (*MODEL_FILES, "chat_template.jinja", WEIGHTS_INDEX, "model-*-of-*.safetensors")
 GROUP_SIZE = 64  # --quantize's group size, llm_inference.GROUP_SIZE: mlx-lm's default
 
 
@@ -456,8 +458,8 @@ def download_model(repo, model_dir, fields):
     if missing_files(sizes):
         raise UserError(f"{repo} has no {', '.join(missing_files(sizes))}: it is not a Qwen3 "
                         "checkpoint in Hugging Face's safetensors layout")
-    get = lambda names, folder: Path(hub.snapshot_download(
-        repo, revision=info.sha, local_dir=folder, allow_patterns=names))
+    get = lambda names, folder: Path(hub.snapshot_download(  # the cache records main's commit
+        repo, revision=info.sha if folder else None, local_dir=folder, allow_patterns=names))
     index = [WEIGHTS_INDEX] if "model.safetensors" not in sizes else []
     with tempfile.TemporaryDirectory() as first:
         get(["config.json", *index], first)
@@ -496,7 +498,8 @@ def find_model(model_arg, allow_download, fields):
             earlier = SCRIPT_DIR / repo
             model_dir = earlier if not missing_files(names(earlier)) else None
             with contextlib.suppress(Exception):  # LocalEntryNotFoundError: not there
-                model_dir = Path(hub.snapshot_download(repo, local_files_only=True))
+                model_dir = Path(hub.snapshot_download(repo, local_files_only=True,
+                                                       allow_patterns=CACHED_FILES))
         # Names, not files: a directory in a file's place is reported as unreadable when read.
         missing = missing_files(names(model_dir))
     except OSError as e:  # a name too long, a folder without permission, ...
@@ -730,7 +733,7 @@ def print_header(model_arg, model_dir, config, n, dtype, weights, how, prompt=No
     c, matrices = config, [weights["embed_tokens"], weights["lm_head"],
                            *(w for layer in weights["layers"] for w in layer.values())]
     bits = "/".join(map(str, sorted({w.bits for w in matrices if hasattr(w, "bits")})))
-    print(f"Model: {repo or Path(model_dir).absolute().name} ({c.num_hidden_layers} layers, "
+    print(f"Model: {repo or Path(os.path.abspath(model_dir)).name} ({c.num_hidden_layers} layers, "
           f"{c.hidden_size} dim, {c.num_attention_heads * n} Q heads, "
           f"{c.num_key_value_heads * n} KV heads) on "
           f"{'gpu' if mx.default_device() == mx.gpu else 'cpu'}"
