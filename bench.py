@@ -54,7 +54,7 @@ CACHE_TOKENS = 16  # the new tokens of --cache-lengths, unless --decode-tokens s
 def cache_experiment(weights, config, lengths, n=CACHE_TOKENS, reps=3):
     """Decode speed with the KV cache and without it (--no-cache: every step reruns the whole sequence)."""
     print(f"the KV cache: decode tok/s over {n} new tokens, with the cache vs recomputing everything, "
-          f"{medians(reps)}")
+          f"{medians_of(reps)}")
     for length in lengths:
         prompt = mx.random.randint(0, config.vocab_size, (length,), key=mx.random.key(2)).tolist()
         speeds = {}
@@ -105,7 +105,7 @@ def chat_experiment(weights, config, tokenizer, turns, reply_tokens):
                       f"{fresh_time / kept_time:5.1f}x")
 
 
-def medians(reps):
+def medians_of(reps):
     """"medians of 3 runs", "the median of 1 run": how many runs each printed number is taken from."""
     return f"{'the median' if reps == 1 else 'medians'} of {cli.plural(reps, 'run')}"
 
@@ -467,7 +467,7 @@ def main():
 
     print(f"memory bandwidth (1 GiB matrix-vector product): {bandwidth:.0f} GB/s; the decode "
           "ceiling assumes each token reads every weight and the KV cache once at that rate; "
-          f"{medians(args.reps)} after a warm-up")
+          f"{medians_of(args.reps)} after a warm-up")
     print(f"{'prompt':>6} {'runtime':>7} {'TTFT ms':>9} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak GB':>8}")
     for length, n, med, same, ceiling in rows:
         for name in runners:
@@ -615,7 +615,7 @@ def distributed_benchmark(args, dtype):
     bits = f", {args.quantize}-bit weights" if args.quantize else ""
     print(f"MLX {mx.__version__}, device {mx.default_device()}, {str(dtype).split('.')[-1]}{bits}, "
           f"{config.num_hidden_layers} layers, {config.hidden_size} dim; {length}-token prompt, "
-          f"{n_tokens} tokens generated, {medians(reps)} each, alternating the order")
+          f"{n_tokens} tokens generated, {medians_of(reps)} each, alternating the order")
     if latency is not None:
         print(f"one all_sum of {config.hidden_size} {str(dtype).split('.')[-1]} numbers over "
               f"{n} processes: {latency * 1e6:.0f} µs (median of 200); a token needs "
