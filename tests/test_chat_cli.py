@@ -109,7 +109,7 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_model, reference, hf_tok
     first_message, second_message = "Tell me a long story.", "Shorter, please."
     script = paused_script(tmp_path)  # the first reply waits for Ctrl-C after its first token
     proc = subprocess.Popen([sys.executable, str(script), "--model", str(tiny_model), "--chat",
-                             "--temperature", "0", "--max-tokens", "400"], cwd=tmp_path,
+                             "--temperature", "0", "--max-tokens", "40"], cwd=tmp_path,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=cli_env(tmp_path / ".hf-home"))
     try:
@@ -132,7 +132,7 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tiny_model, reference, hf_tok
     ids = official_ids(hf_tokenizer, reference, None, [(first_message, partial)], second_message,
                        True)
     assert int(second[3]) + int(second[4]) == len(ids)
-    reply = greedy(reference, ids, 400)
+    reply = greedy(reference, ids, 40)  # the pause, not the length, makes Ctrl-C come first
     assert int(second[5]) == len(reply)
     tail = "\n" + reference.tokenizer.decode(reply, skip_special_tokens=True).rstrip("\ufffd") + "\n"
     assert out.endswith(tail)
@@ -374,7 +374,7 @@ def test_in_a_terminal_line_editing_ctrl_c_and_ctrl_d(tiny_model, reference, hf_
 
     script = paused_script(tmp_path, reply=2)  # the second reply waits for Ctrl-C
     proc = subprocess.Popen([sys.executable, str(script), "--model", str(tiny_model), "--chat",
-                             "--temperature", "0", "--max-tokens", "400"], cwd=tmp_path,
+                             "--temperature", "0", "--max-tokens", "40"], cwd=tmp_path,
                             stdin=slave, stdout=slave, stderr=slave, preexec_fn=own_terminal,
                             env=cli_env(tmp_path / ".hf-home", TERM="xterm"))
     os.close(slave)
@@ -395,7 +395,7 @@ def test_in_a_terminal_line_editing_ctrl_c_and_ctrl_d(tiny_model, reference, hf_
         assert read_until(rb">>> "), seen
         os.write(master, b"ello\x01H\r")  # type "ello", jump to the start (Ctrl-A), add "H"
         assert read_until(rb"Turn 1: .*\r\n>>> "), seen
-        reply = greedy(reference, official_ids(hf_tokenizer, reference, None, [], "Hello", True), 400)
+        reply = greedy(reference, official_ids(hf_tokenizer, reference, None, [], "Hello", True), 40)
         text = reference.tokenizer.decode(reply, skip_special_tokens=True).rstrip("\ufffd")
         assert text.replace("\n", "\r\n").encode() in seen  # the reply to "Hello", streamed
         start = len(seen)
