@@ -482,9 +482,6 @@ def download_model(repo, model_dir, fields):
 def find_model(model_arg, allow_download, fields):
     """--model's folder as it is; a repo id's in Hugging Face's cache, downloaded there once; by
     default (or Qwen/Qwen3-0.6B when complete there) ./Qwen3-0.6B, else the script's, downloaded."""
-    import huggingface_hub as hub  # Hugging Face's cache (~/.cache/huggingface/hub, or $HF_HOME)
-    from huggingface_hub import constants
-
     repo = repo_id(model_arg) if model_arg else HF_REPO
     names = lambda folder: {p.name for p in folder.iterdir()} if folder and folder.is_dir() else ()
     try:
@@ -495,6 +492,8 @@ def find_model(model_arg, allow_download, fields):
             model_dir = model_dir if model_dir.is_dir() else SCRIPT_DIR / model_dir
         in_cache = model_arg and repo and (repo != HF_REPO or missing_files(names(model_dir)))
         if in_cache:  # or where this script downloaded repo ids until 2026-12, if complete there
+            import huggingface_hub as hub  # its cache: ~/.cache/huggingface/hub, or $HF_HOME's
+
             earlier = SCRIPT_DIR / repo
             model_dir = earlier if not missing_files(names(earlier)) else None
             with contextlib.suppress(Exception):  # LocalEntryNotFoundError: not there
@@ -519,6 +518,8 @@ def find_model(model_arg, allow_download, fields):
     fetch = f"fetch it with: {download_command(repo, model_dir)}"
     if not allow_download:
         raise UserError(f"{what} and --no-download was given; {fetch}")
+    from huggingface_hub import constants  # imported only now: a third of a second
+
     if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE=1: huggingface_hub will not download
         raise UserError(f"{what}, and Hugging Face's offline mode is on (HF_HUB_OFFLINE): unset "
                         f"it to download {repo}, or {fetch}")
