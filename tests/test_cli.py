@@ -1964,20 +1964,32 @@ def check_rates(err, seen, untimed):
         (prefill_s, decode_s, seen["wall"])
 
 
-def test_the_prefill_rate_leaves_out_the_time_progress_takes(tiny_model, monkeypatch, capsys):
-    """Each progress line takes 0.5 s to write here (a terminal: every piece writes one): the
-    statistics' prefill rate, and the later progress lines' rates, are those of the computation
-    alone."""
+def slow_progress_terminal(monkeypatch):
+    """stderr as a terminal where each progress line takes 0.5 s to write, with a progress line
+    for every 4-token piece of a prefill; returns the terminal."""
     monkeypatch.setattr(li, "PREFILL_CHUNK", 4)
     monkeypatch.setattr(cli.Prefill, "PROGRESS_AFTER", 0)
     terminal = Terminal()
     write = terminal.write
     terminal.write = lambda text: (time.sleep(0.5) if "prefill:" in text else None, write(text))[1]
     monkeypatch.setattr(sys, "stderr", terminal)
+    return terminal
+
+
+def progress_lines(err):
+    """The PROGRESS matches of a terminal's progress lines, each redrawn after a clear."""
+    return [PROGRESS.fullmatch(part) for part in err.split("\r\x1b[K") if part.startswith("prefill")]
+
+
+def test_the_prefill_rate_leaves_out_the_time_progress_takes(tiny_model, monkeypatch, capsys):
+    """Each progress line takes 0.5 s to write here (a terminal: every piece writes one): the
+    statistics' prefill rate, and the later progress lines' rates, are those of the computation
+    alone."""
+    terminal = slow_progress_terminal(monkeypatch)
     seen = timed_stream(monkeypatch)
     assert li.main(["--model", str(tiny_model), "--prompt", LONG_PROMPT, "--max-tokens", "4"]) == 0
     err = terminal.getvalue()
-    progress = [PROGRESS.fullmatch(part) for part in err.split("\r\x1b[K") if part.startswith("prefill")]
+    progress = progress_lines(err)
     assert len(progress) >= 3 and all(progress), err  # one per piece
     check_rates(err, seen, 0.5 * len(progress))
     prefill_s = seen["result"][1]
@@ -1988,17 +2000,12 @@ def test_the_prefill_rate_leaves_out_the_time_progress_takes(tiny_model, monkeyp
 def test_a_chat_shows_prefill_progress_and_its_rate_leaves_it_out(tiny_model, monkeypatch):
     """chat_loop passes cli.PREFILL.show to each reply: progress on stderr (a terminal here, each
     line taking 0.5 s to write), and the turn's prefill rate without that time."""
-    monkeypatch.setattr(li, "PREFILL_CHUNK", 4)
-    monkeypatch.setattr(cli.Prefill, "PROGRESS_AFTER", 0)
-    terminal = Terminal()
-    write = terminal.write
-    terminal.write = lambda text: (time.sleep(0.5) if "prefill:" in text else None, write(text))[1]
-    monkeypatch.setattr(sys, "stderr", terminal)
+    terminal = slow_progress_terminal(monkeypatch)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Name a city in France.\n")))
     seen = timed_stream(monkeypatch)
     assert li.main(["--model", str(tiny_model), "--chat", "--max-tokens", "4", "--seed", "1"]) == 0
     err = terminal.getvalue()
-    progress = [PROGRESS.fullmatch(part) for part in err.split("\r\x1b[K") if part.startswith("prefill")]
+    progress = progress_lines(err)
     assert len(progress) >= 3 and all(progress), err
     turn = re.search(r"Turn 1: 0 tokens reused from the cache, (\d+) prefilled at ([\d.]+) tok/s",
                      err)
