@@ -1,11 +1,9 @@
 """The program around llm_inference.py: everything `python llm_inference.py` does besides the model.
 
 You never need to read this file to learn inference: llm_inference.py is the walkthrough, and its
-main() shows how the two fit. This module checks a model folder before the model reads it (so that
-a broken file is one line, not a traceback), downloads a model, parses the flags, prints replies
-and tables, runs the chat loop, joins the processes mlx.launch starts, and ends each expected
-mistake with one line. It imports nothing from llm_inference.py: its functions take what they
-need as arguments.
+main() shows how the two fit. Here are the folder checks (a broken file is one line, not a
+traceback), the download, the flags, the printing, the chat loop, the plumbing of mlx.launch's
+processes and the top-level error handler. It imports nothing from llm_inference.py.
 """
 
 import argparse
@@ -162,8 +160,7 @@ def weight_files(model_dir):
         return [model_dir / "model.safetensors"]
     weight_map = read_json(model_dir / WEIGHTS_INDEX).get("weight_map")
     names = set(weight_map.values()) if isinstance(weight_map, dict) else ()
-    # Plain names of safetensors files beside the index: "../x" would read outside the folder,
-    # and mx.load reads x.npz too.
+    # Plain names of safetensors files: "../x" reads outside the folder, mx.load reads x.npz too.
     if not names or not all(isinstance(name, str) and Path(name).name == name
                             and name.endswith(".safetensors") for name in names):
         raise UserError(f"{model_dir / WEIGHTS_INDEX} is not a valid index of shards (a JSON "
@@ -197,11 +194,10 @@ def check_weights(model_dir, config, stored, layer_shapes):
         if f"model.layers.{i}.{first}" not in tensors:
             raise UserError(f"{where} lacks the tensor 'model.layers.{i}.{first}'")
     floats = (mx.bfloat16, mx.float16, mx.float32)
-    shapes = tensor_shapes(config, layer_shapes)
+    untied = config._replace(tie_word_embeddings=False)  # a tied checkpoint's head may be used
+    shapes = tensor_shapes(untied if "lm_head.weight" in tensors else config, layer_shapes)
     expected = {name: (shape, floats) for name, shape in shapes.items()}
-    if "lm_head.weight" in tensors:  # a tied checkpoint's extra head may be used (below)
-        expected["lm_head.weight"] = ((config.vocab_size, config.hidden_size), floats)
-    for name, ((rows, *columns), _) in list(expected.items()):
+    for name, (rows, *columns) in shapes.items():
         stem = name.removesuffix(".weight")
         if stored and columns and f"{stem}.scales" in tensors:  # stored quantized (section 16)
             how = stored.get(stem)
@@ -227,7 +223,7 @@ def check_weights(model_dir, config, stored, layer_shapes):
     if config.tie_word_embeddings and stored_head_differs(files):
         print("Note: config.json ties the LM head to the embeddings, but the checkpoint stores a "
               "different lm_head.weight; using it, as transformers does", file=sys.stderr)
-        return config._replace(tie_word_embeddings=False)
+        return untied
     return config
 
 
@@ -414,7 +410,7 @@ def eos_token_ids(generation_config, tokenizer):
                   if tokenizer.token_to_id(token) is not None}
 
 
-# --- Finding the model: a folder, or a Hugging Face repo id downloaded once into a folder ---------
+# --- Finding the model: a folder, or a Hugging Face repo id, downloaded once into its cache -------
 
 def repo_id(text):
     """'owner/name', also from a huggingface.co address or with a trailing slash; else None."""
@@ -611,20 +607,17 @@ def parse_args(argv):
         "with --chat, one message and its reply")
     add("--max-tokens", type=number(int, "count"), help=f"stop after this many new tokens "
         f"({MAX_TOKENS}; {CHAT_MAX_TOKENS} with --chat; at most half the context)")
-    add("--temperature", type=number(float, "temperature"),
-        help="0 = greedy (default; with --chat 0.6, or 0.7 with --no-think)")
-    add("--top-p", type=number(float, "top_p"),
-        help="nucleus sampling mass (generation_config.json's; 0.8 with --no-think)")
-    add("--top-k", type=number(int, "top_k"),
-        help="keep only the k most likely tokens, 0 = all (generation_config.json's)")
-    add("--min-p", type=number(float, "min_p"),
-        help="keep tokens at least this fraction as likely as the likeliest (0)")
-    add("--presence-penalty", type=number(float, "presence_penalty"),
-        help="lower the logit of tokens already in the reply, against repetition (0)")
-    add("--seed", type=number(int, "seed"), help="random seed for sampling (default: fresh)")
+    for name, kind, text in (  # the sampling flags, each checked by its rule in SETTINGS
+            ("temperature", float, "0 = greedy (default; 0.6 with --chat, 0.7 with --no-think)"),
+            ("top_p", float, "the nucleus mass (generation_config.json's; 0.8 with --no-think)"),
+            ("top_k", int, "keep the k likeliest tokens, 0 = all (generation_config.json's)"),
+            ("min_p", float, "keep tokens at least this fraction as likely as the likeliest (0)"),
+            ("presence_penalty", float, "lower the logit of tokens already in the reply (0)"),
+            ("seed", int, "random seed for sampling (default: fresh)")):
+        add(f"--{name.replace('_', '-')}", type=number(kind, name), help=text)
     add("--model", type=model_name, help="a model folder, or a Hugging Face repo id such as "
-        "Qwen/Qwen3-1.7B, downloaded once into the folder Qwen/Qwen3-1.7B next to this script "
-        "(default: ./Qwen3-0.6B, else the one next to this script)")
+        "Qwen/Qwen3-1.7B, read from Hugging Face's cache, downloaded there once (default: "
+        "./Qwen3-0.6B, else the one next to this script)")
     add("--no-download", action="store_true", help="never download the model, fail instead")
     add("--chat", action="store_true", help="talk with the model in Qwen3's chat format")
     add("--system", help="system message for --chat")
@@ -666,9 +659,8 @@ def parse_args(argv):
     if args.chat and args.temperature == 0:
         print("warning: Qwen advises against greedy decoding (--temperature 0) in chat: in "
               "thinking mode it leads to endless repetition", file=sys.stderr)
-    ignored = [flag for flag, value in (("--top-k", args.top_k), ("--top-p", args.top_p),
-                                        ("--min-p", args.min_p), ("--seed", args.seed))
-               if value is not None]
+    ignored = [f"--{name.replace('_', '-')}" for name in ("top_k", "top_p", "min_p", "seed")
+               if getattr(args, name) is not None]
     if (args.temperature == 0 or args.temperature is None and not args.chat) and ignored:
         print(f"warning: {', '.join(ignored)} only matter{'s' * (len(ignored) == 1)} when "
               f"sampling; greedy decoding ignores {'it' if len(ignored) == 1 else 'them'} (add "
