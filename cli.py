@@ -41,6 +41,7 @@ import mlx.core as mx  # noqa: E402 (after the preload)
 from tokenizers.decoders import DecodeStream  # noqa: E402
 
 HF_REPO = "Qwen/Qwen3-0.6B"
+SCRIPT_DIR = Path(__file__).resolve().parent  # llm_inference.py's folder, where models may be
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json")
 NEEDED_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # the other two are optional
@@ -406,8 +407,7 @@ def eos_token_ids(generation_config, tokenizer):
     """Ids that end a reply: <|im_end|> (151645) ends a chat turn, <|endoftext|> (151643) a text."""
     ids = generation_config.get("eos_token_id", [])
     ids = set(ids if isinstance(ids, list) else [ids])
-    return ids | {tokenizer.token_to_id(token) for token in ("<|im_end|>", "<|endoftext|>")
-                  if tokenizer.token_to_id(token) is not None}
+    return ids | {tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")} - {None}
 
 
 # --- Finding the model: a folder, or a Hugging Face repo id, downloaded once into its cache -------
@@ -417,9 +417,6 @@ def repo_id(text):
     address = re.match(r"https?://(?:www\.)?huggingface\.co/([^/?#]+/[^/?#]+)", text)
     text = address.group(1) if address else text.rstrip("/")
     return text if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", text) else None
-
-
-SCRIPT_DIR = Path(__file__).resolve().parent  # llm_inference.py's folder too
 
 
 def download_command(repo, model_dir):
@@ -449,6 +446,9 @@ def download_model(repo, model_dir, fields):
     import huggingface_hub as hub
     from huggingface_hub import constants
 
+    if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE=1: huggingface_hub will not download
+        raise UserError("Hugging Face's offline mode is on (HF_HUB_OFFLINE): unset it to download "
+                        f"{repo}, or fetch it with: {download_command(repo, model_dir)}")
     info = hub.HfApi().model_info(repo, files_metadata=True)
     sizes = {s.rfilename: s.size or 0 for s in info.siblings}
     if missing_files(sizes):
@@ -507,18 +507,12 @@ def find_model(model_arg, allow_download, fields):
             f"{model_dir} is a file, not a model folder" if model_dir.exists() else
             f"model folder {model_dir} not found")
     if repo is None:
-        raise UserError(f"{what}; point --model at a folder with {', '.join(NEEDED_FILES)} "
-                        f"(or {WEIGHTS_INDEX} and its shards), or at a repo id such as "
-                        "Qwen/Qwen3-1.7B")
+        raise UserError(f"{what}; point --model at a folder with {', '.join(NEEDED_FILES)} (or "
+                        f"{WEIGHTS_INDEX} and its shards), or at a repo id such as Qwen/Qwen3-1.7B")
     model_dir = None if in_cache else model_dir  # where a download goes
     fetch = f"fetch it with: {download_command(repo, model_dir)}"
     if not allow_download:
         raise UserError(f"{what} and --no-download was given; {fetch}")
-    from huggingface_hub import constants  # imported only now: a third of a second
-
-    if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE=1: huggingface_hub will not download
-        raise UserError(f"{what}, and Hugging Face's offline mode is on (HF_HUB_OFFLINE): unset "
-                        f"it to download {repo}, or {fetch}")
     try:
         return download_model(repo, model_dir, fields)
     except UserError as e:
@@ -540,13 +534,13 @@ QWEN3_NO_THINK = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
 TRANSFORMERS_DEFAULTS = {"top_p": 1.0, "top_k": 50, "min_p": 0.0}
 
 
-def as_text(data, what):
+def as_text(data, what, error=UserError):
     """Text as an editor reads it: UTF-8, no byte-order mark, CRLF and CR as newlines. A str from
     the command line that was not UTF-8 holds lone surrogates: os.fsencode gives its bytes back."""
     try:
         text = (os.fsencode(data) if isinstance(data, str) else data).decode("utf-8-sig")
     except UnicodeDecodeError:
-        raise UserError(f"{what} is not valid UTF-8 text (cut in the middle of a character?)")
+        raise error(f"{what} is not valid UTF-8 text (cut in the middle of a character?)")
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
@@ -652,10 +646,8 @@ def parse_args(argv):
         if given and args.trace and flag != "--trace":  # the trace makes no reply
             ap.error(f"{flag} does not apply to --trace, which runs one forward pass and ends "
                      "with the 5 likeliest tokens")
-    try:
-        args.system = as_text(args.system, "--system") if args.system is not None else None
-    except UserError as e:  # the same on every process: said once (section 20)
-        raise SharedError(e) from None
+    if args.system is not None:  # the same on every process: said once (section 20)
+        args.system = as_text(args.system, "--system", SharedError)
     if args.chat and args.temperature == 0:
         print("warning: Qwen advises against greedy decoding (--temperature 0) in chat: in "
               "thinking mode it leads to endless repetition", file=sys.stderr)
@@ -677,20 +669,17 @@ def sampling_settings(args, generation_config, sampling_type, group):
     """(sampling_type(temperature, top_k, top_p, seed), min_p, presence penalty). Flags win; --chat
     then takes Qwen's recommendations, completion transformers' (greedy unless --temperature is
     given). In a group, all take process 0's seed, so that all draw the same tokens."""
-    if args.chat and args.no_think:
-        recommended = QWEN3_NO_THINK
-    elif args.chat:
-        recommended = QWEN3_THINKING | generation_config
+    if args.chat:
+        recommended = QWEN3_NO_THINK if args.no_think else QWEN3_THINKING | generation_config
     else:
         recommended = TRANSFORMERS_DEFAULTS | generation_config | {"temperature": 0.0}
-    given = lambda flag, name: flag if flag is not None else recommended[name]
+    given = lambda name: recommended[name] if getattr(args, name) is None else getattr(args, name)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     if group.size() > 1:
         seed = int(share(str(seed), group))
-    sampling = sampling_type(float(given(args.temperature, "temperature")),
-                             int(given(args.top_k, "top_k")), float(given(args.top_p, "top_p")),
-                             seed)
-    return sampling, float(given(args.min_p, "min_p")), args.presence_penalty or 0.0
+    sampling = sampling_type(float(given("temperature")), int(given("top_k")),
+                             float(given("top_p")), seed)
+    return sampling, float(given("min_p")), args.presence_penalty or 0.0
 
 
 def describe(sampling, min_p, presence_penalty):
@@ -727,9 +716,8 @@ def print_header(model_arg, model_dir, config, n, dtype, weights, how, prompt=No
                            *(w for layer in weights["layers"] for w in layer.values())]
     bits = "/".join(map(str, sorted({w.bits for w in matrices if hasattr(w, "bits")})))
     print(f"Model: {repo or Path(os.path.abspath(model_dir)).name} ({c.num_hidden_layers} layers, "
-          f"{c.hidden_size} dim, {c.num_attention_heads * n} Q heads, "
-          f"{c.num_key_value_heads * n} KV heads) on "
-          f"{'gpu' if mx.default_device() == mx.gpu else 'cpu'}"
+          f"{c.hidden_size} dim, {c.num_attention_heads * n} Q heads, {c.num_key_value_heads * n} "
+          f"KV heads) on {'gpu' if mx.default_device() == mx.gpu else 'cpu'}"
           f"{f' x {n} processes' if n > 1 else ''}, {name_of(dtype)}"
           f"{f', {bits}-bit weights' if bits else ''}", file=sys.stderr)
     if MLX_CPU_WHEEL and not OPENBLAS:
@@ -758,8 +746,7 @@ def columns(text):
 
 # GPT-2's byte-level alphabet, which Qwen's tokenizer.json uses: byte b is written as chr(b) when
 # that is printable, else as chr(256 + k), for the k-th of the other bytes.
-PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-             *range(ord("®"), 256)]
+PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
 BYTE_OF = {chr(c): b for b, c in zip(PRINTABLE + [b for b in range(256) if b not in PRINTABLE],
                                      PRINTABLE + [256 + k for k in range(256 - len(PRINTABLE))])}
 
@@ -810,20 +797,19 @@ class ReplyPrinter:
     def add(self, token_id):
         self.n_tokens += 1
         piece = self.stream.step(self.tokenizer, token_id) or ""
+        hidden = self.hide_think and (self.thinking or token_id == self.think_ids[0])  # <think>...
         if token_id == self.think_ids[self.thinking]:  # <think> opens, </think> closes
             self.thinking = not self.thinking
             self.show_progress(clear=True)
-            piece = "" if self.hide_think else piece
             if self.colour and not self.hide_think:
                 piece = self.DIM + piece if self.thinking else piece + self.PLAIN
         elif self.thinking:
             self.n_thinking += 1
-            piece = "" if self.hide_think else piece
             self.show_progress()
         elif self.hide_think and not self.answer_started:
             piece = piece.lstrip("\n")
             self.answer_started = bool(piece)
-        sys.stdout.write(piece)
+        sys.stdout.write("" if hidden else piece)
         sys.stdout.flush()
 
     def show_progress(self, clear=False):
@@ -862,9 +848,8 @@ class Prefill:
         seconds = now - self.began - self.spent
         if seconds >= self.PROGRESS_AFTER and (self.last is None or now - self.last >= 1 or
                                                sys.stderr.isatty()):
-            start, end = ("\r\x1b[K", "") if sys.stderr.isatty() else ("", "\n")  # redrawn
             line = f"prefill: {done}/{total} tokens, {done / seconds:.0f} tok/s"
-            sys.stderr.write(start + line + end)
+            sys.stderr.write(f"\r\x1b[K{line}" if sys.stderr.isatty() else f"{line}\n")  # redrawn
             sys.stderr.flush()
             self.last = now
         self.spent += time.perf_counter() - now
@@ -1035,22 +1020,23 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda:
             chat.reply(message, max_tokens, sampling, eos_ids, PREFILL.show), printer)
         if len(chat.turns) == n_turns:  # Ctrl-C before the reply began: nothing happened
             print("Interrupted.", file=status(True))
-            if group and group.size() > 1:
-                return 130
-            continue
-        turn += 1
-        n = len(chat.turns[-1][1])  # the reply as the history keeps it (without <|im_end|>)
-        prefill = chat.prefilled / prefill_s if printer.n_tokens else 0.0
-        thinking = f", {printer.n_thinking} thinking" if printer.n_thinking else ""
-        print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: {chat.reused} tokens reused "
-              f"from the cache, {chat.prefilled} prefilled at {prefill:.1f} tok/s | Reply: "
-              f"{plural(n, 'token')}{thinking}{rate(printer.n_tokens - 1, decode_s)}",
-              file=status(interrupted))
-        if interrupted and group and group.size() > 1:  # the others are mid-reply: the chat ends
+        else:
+            turn += 1
+            n = len(chat.turns[-1][1])  # the reply as the history keeps it (without <|im_end|>)
+            prefill = chat.prefilled / prefill_s if printer.n_tokens else 0.0
+            thinking = f", {printer.n_thinking} thinking" if printer.n_thinking else ""
+            print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: {chat.reused} tokens "
+                  f"reused from the cache, {chat.prefilled} prefilled at {prefill:.1f} tok/s | "
+                  f"Reply: {plural(n, 'token')}{thinking}{rate(printer.n_tokens - 1, decode_s)}",
+                  file=status(interrupted))
+        if interrupted and group and group.size() > 1:  # the others wait in step: the chat ends
             return 130
 
 
 # --- Several processes (mlx.launch, section 20): process 0 reads the input and prints ------------
+
+AFTER_CTRL_C = None  # process 0's terminal, under mlx.launch (join)
+
 
 def share(text, group):
     """Process 0's text (None: end of input) on every process: all_sum adds zeros to its bytes."""
@@ -1063,9 +1049,6 @@ def share(text, group):
     data = mx.array(list(data), mx.uint8) if first else mx.zeros(length - 1, mx.uint8)
     return bytes(mx.distributed.all_sum(data, group=group).tolist()).decode("utf-8",
                                                                            "surrogateescape")
-
-
-AFTER_CTRL_C = None  # process 0's terminal, under mlx.launch (join)
 
 
 def status(interrupted):
