@@ -289,10 +289,11 @@ def check_chat_template(model_dir):
 
 def check_split(model_dir, config, n, bits, stored, can_split):
     """Refuse n processes the model cannot be split over (section 20's can_split)."""
-    # Quantized, each process's columns must hold whole groups (of the largest size: 128, say).
+    # Quantized, each process's columns must hold whole groups (of the largest size: 128, say),
+    # those stored and --quantize's.
     sizes = [how.get("group_size", 0) for how in (stored, *stored.values())
              if isinstance(how, dict)]
-    group_size = GROUP_SIZE if bits else max(sizes)
+    group_size = max(sizes + [GROUP_SIZE] * bool(bits))
     if n > 1 and not can_split(config, n, group_size):
         counts = [str(k) for k in range(1, config.num_key_value_heads + 1)
                   if can_split(config, k, group_size)]

@@ -525,6 +525,18 @@ def test_quantization_groups_are_never_cut(folders):
     assert li.can_split(li.load_config(stored), 2, 64) and not li.can_split(config, 3)
 
 
+def test_quantize_on_a_stored_folder_keeps_the_stored_groups_whole(tiny_model):
+    """Bug: --quantize on a folder stored quantized at those bits (check_config allows it) had
+    the split checked for --quantize's groups of 64 only: stored groups of 128 were then cut."""
+    config = li.load_config(tiny_model)._replace(head_dim=32)  # 4 x 32 o_proj columns: 64 each
+    refused = "cannot be split over 2 processes"
+    cli.check_split(tiny_model, config, 2, 4, {}, li.can_split)  # groups of 64: whole
+    for bits in (None, 4):
+        with pytest.raises(cli.SharedError, match=refused):
+            cli.check_split(tiny_model, config, 2, bits, {"group_size": 128, "bits": 4},
+                            li.can_split)
+
+
 def halves(config):
     """config as each of 2 processes runs it, written out here (not split_config's)."""
     return config._replace(num_attention_heads=config.num_attention_heads // 2,
