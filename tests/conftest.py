@@ -173,7 +173,7 @@ AS_IMPORTED = dict(vars(li))
 
 @pytest.fixture(scope="session", autouse=True)
 def a_tokenizer_json_is_loaded_once():
-    """li.load_tokenizer parses Qwen's 151,643-token BPE in about 0.6 s. While this fixture is
+    """li.load_tokenizer parses Qwen's 151,643-token BPE in about 0.45 s. While this fixture is
     active, it returns the tokenizer it loaded before from a byte-identical tokenizer.json (one of
     the last 8), and otherwise loads as usual, failures included. The one change made to a loaded
     tokenizer, cli.check_tokenizer's no truncation and no padding, gives the same on every call."""
