@@ -116,8 +116,13 @@ def test_bfloat16_logits_close_to_mlx_lm(checkpoint, fused):
 @pytest.mark.parametrize("fused", [True, False])
 def test_cached_decoding_equals_recomputing(checkpoint, fused):
     """Prefill 250 tokens, then decode 20 one at a time across the 256-position chunk boundary: each step's
-    logits must equal those of running the whole sequence from scratch without reusing anything."""
+    logits must equal those of running the whole sequence from scratch without reusing anything.
+
+    Both passes score the first 4096 tokens of the vocabulary only (the LM head's first rows): the
+    head is the same matrix product at every position, cached or not, and all 151936 rows over
+    270 positions made the whole-sequence pass 90% of the test's time (2.5 s of 2.7)."""
     folder, config, weights, _ = checkpoint
+    weights = weights | {"lm_head": weights["lm_head"][:4096]}
     ids = mx.random.randint(0, config.vocab_size, (270,), key=mx.random.key(5))
     with kernels(fused):
         full = li.forward(ids, weights, config, li.make_cache(config), last_only=False)
