@@ -103,11 +103,11 @@ def hf_tokenizer(tiny_model):
 
 # What mlx_lm.utils.load_tokenizer downloads (its allow_patterns), so what it may read.
 TOKENIZER_SUFFIXES = {".json", ".py", ".model", ".tiktoken", ".txt", ".jsonl", ".jinja"}
-# config.json's keys about the weights alone: their shapes, whether the head is tied, how they are
-# quantized (added by mlx_lm.convert).
+# config.json's keys about the weights alone: their shapes, whether the head is tied, their dtype,
+# how they are quantized (added by mlx_lm.convert).
 WEIGHT_KEYS = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "tie_word_embeddings", "quantization",
-               "quantization_config"}
+               "num_key_value_heads", "head_dim", "tie_word_embeddings", "torch_dtype", "dtype",
+               "quantization", "quantization_config"}
 
 
 @pytest.fixture(scope="session", autouse=True)

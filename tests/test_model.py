@@ -443,8 +443,8 @@ def test_a_tokenizer_larger_than_the_embedding_table_is_refused(tmp_path):
 @pytest.mark.parametrize("shards", [1, 3])
 @pytest.mark.parametrize("head, differs", [(None, False), ("same", False), ("different", True)],
                          ids=["no stored head", "an exact copy", "a different matrix"])
-def test_stored_head_differs_only_for_a_different_matrix(tmp_path, head, differs, shards):
-    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG, tied_head=head, shards=shards)
+def test_stored_head_differs_only_for_a_different_matrix(checkpoints, head, differs, shards):
+    folder = checkpoints(TINY_CONFIG, tied_head=head, shards=shards)  # read, never written
     assert cli.stored_head_differs(cli.weight_files(folder)) is differs
     config, weights, _, _ = load_model(folder, mx.float32)
     assert config.tie_word_embeddings is not differs  # check_weights unties it for a head of its own
