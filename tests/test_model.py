@@ -167,8 +167,9 @@ def test_seeded_sampling_reproduces(checkpoint):
     folder, config, weights, tokenizer = checkpoint
     ids = tokenizer.encode(PROMPT).ids
     run = lambda seed: tokens(li.generate(ids, weights, config, 16, li.Sampling(temperature=1.0, top_k=50, top_p=0.95, seed=seed)))
-    assert run(3) == run(3)
-    assert run(3) != run(4)
+    first = run(3)
+    assert run(3) == first
+    assert run(4) != first
 
 
 # ---- sample() on a small known distribution --------------------------------------------------------
