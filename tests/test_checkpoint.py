@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_model as mlx_lm_load_model
 from safetensors import safe_open
-from transformers import AutoTokenizer, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from tests.checkpoint import (
     QWEN3_0_6B_CONFIG,
@@ -115,8 +116,8 @@ def test_loads_in_transformers(tiny):
     assert torch.isfinite(logits).all()
 
 
-def test_transformers_tokenizer(tiny):
-    tokenizer = AutoTokenizer.from_pretrained(tiny)
+def test_transformers_tokenizer(hf_tokenizer):
+    tokenizer = hf_tokenizer  # tests/conftest.py: AutoTokenizer.from_pretrained(tiny_model)
     assert tokenizer(PROMPT).input_ids == PROMPT_IDS
     assert tokenizer.eos_token_id == 151645
     assert tokenizer.pad_token_id == 151643
@@ -128,7 +129,7 @@ def test_transformers_tokenizer(tiny):
 
 def test_mlx_lm_and_transformers_agree(tiny_f32):
     """Both libraries read the same weights the same way (float32: tight tolerance)."""
-    mlx_model, _ = mlx_lm.load(str(tiny_f32))
+    mlx_model, _ = mlx_lm_load_model(tiny_f32)  # mlx_lm.load without its tokenizer (seconds)
     mlx_logits = np.array(mlx_model(mx.array([PROMPT_IDS]))[0])
     hf_model = Qwen3ForCausalLM.from_pretrained(tiny_f32, dtype=torch.float32)
     with torch.no_grad():

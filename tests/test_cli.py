@@ -33,7 +33,7 @@ from tokenizers import Tokenizer
 
 import cli
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG, write_checkpoint, load_model, weight_bytes
+from tests.checkpoint import TINY_CONFIG, load_model, weight_bytes
 
 SCRIPT = Path(li.__file__).resolve()
 PROGRAM = (SCRIPT, Path(cli.__file__).resolve())  # the script and its companion module
@@ -132,13 +132,25 @@ def test_tf32_is_off_in_the_tests_and_their_subprocesses(tmp_path):
 # other modules share, are in tests/conftest.py)
 # ------------------------------------------------------------------------------------------------
 
+TOKENIZERS = {}  # sha256 of a tokenizer.json: the Tokenizer parsed from it
+
+
+def parsed_tokenizer(path):
+    """Tokenizer.from_file(path), parsed once per distinct file in this process (0.45 s each): the
+    tests only encode and decode with it."""
+    key = hashlib.sha256(path.read_bytes()).hexdigest()
+    if key not in TOKENIZERS:
+        TOKENIZERS[key] = Tokenizer.from_file(str(path))
+    return TOKENIZERS[key]
+
+
 class Reference:
     """The same model loaded in this process with the library functions, to compare the CLI against."""
 
     def __init__(self, folder, dtype, bits=None):
         self.folder = folder
         self.config = li.load_config(folder)
-        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.tokenizer = parsed_tokenizer(folder / "tokenizer.json")
         self.weights = load_model(folder, dtype, bits)[1]
         self.eos_ids = cli.eos_token_ids(cli.load_generation_config(folder), self.tokenizer)
 
@@ -319,7 +331,11 @@ def test_a_one_token_prompt_is_one_token(tiny_model, reference, tmp_path):
 
 
 def test_a_long_prompt_is_shortened_in_the_header(tiny_model, reference, tmp_path):
-    prompt = "All work and no play makes Jack a dull boy. " * 500  # 22 KB, as from a file on stdin
+    """23 KB, as from a file on stdin, all of it read. Its lines of 1000 "=" make it 616 tokens
+    (Qwen's BPE has a token for 64 of them), not the 5500 of 22 KB of words, whose prefill made
+    this test 5 s longer."""
+    prompt = ("All work and no play makes Jack a dull boy. " + "=" * 1000 + "\n") * 22
+    assert len(prompt.encode()) > 22_000
     _, lines, n_prompt, _ = parse_success(run_cli("--model", tiny_model, "--prompt", "-", "--max-tokens", 2,
                                                   stdin=prompt.encode(), cwd=tmp_path))
     assert n_prompt == len(reference.ids(prompt))  # all of it read
@@ -830,10 +846,10 @@ def test_sharded_checkpoint_gives_the_same_text(sharded_model, greedy_24, tmp_pa
 
 
 @pytest.mark.parametrize("head", ["same", "different"])
-def test_tied_checkpoint_storing_lm_head(tmp_path, head):
+def test_tied_checkpoint_storing_lm_head(checkpoints, tmp_path, head):
     """A tied config whose file also holds lm_head.weight: a copy changes nothing; a different matrix
     is used (as transformers 5 does, tests/test_hf_parity.py) and one line says so."""
-    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG, tied_head=head)
+    folder = checkpoints(TINY_CONFIG, tied_head=head)
     reference = Reference(folder, cli.pick_dtype("auto"))
     assert (reference.weights["lm_head"] is reference.weights["embed_tokens"]) == (head == "same")
     rc, out, err = run_cli("--model", folder, "--max-tokens", 12, cwd=tmp_path)

@@ -3,7 +3,7 @@ joined by MLX's ring backend over TCP loopback, as `mlx.launch -n 2 --backend ri
 Each process has its own memory and its own share of the model, so what works here works across
 machines, only faster or slower.
 
-A launch costs seconds (starting the Pythons, connecting them, reading the 18 MB tokenizer in
+A launch costs seconds (starting the Pythons, connecting them, reading the 11 MB tokenizer in
 each), so one launch checks many things: DRIVER runs llm_inference.main() once per command line of
 CASES in each process, as a user types them, and records what each process wrote to its stdout
 and stderr; the same driver in one process alone gives the reference. The same two processes then

@@ -116,8 +116,13 @@ def test_bfloat16_logits_close_to_mlx_lm(checkpoint, fused):
 @pytest.mark.parametrize("fused", [True, False])
 def test_cached_decoding_equals_recomputing(checkpoint, fused):
     """Prefill 250 tokens, then decode 20 one at a time across the 256-position chunk boundary: each step's
-    logits must equal those of running the whole sequence from scratch without reusing anything."""
+    logits must equal those of running the whole sequence from scratch without reusing anything.
+
+    Both passes score the first 4096 tokens of the vocabulary only (the LM head's first rows): the
+    head is the same matrix product at every position, cached or not, and all 151936 rows over
+    270 positions made the whole-sequence pass 90% of the test's time (2.5 s of 2.7)."""
     folder, config, weights, _ = checkpoint
+    weights = weights | {"lm_head": weights["lm_head"][:4096]}
     ids = mx.random.randint(0, config.vocab_size, (270,), key=mx.random.key(5))
     with kernels(fused):
         full = li.forward(ids, weights, config, li.make_cache(config), last_only=False)
@@ -162,8 +167,9 @@ def test_seeded_sampling_reproduces(checkpoint):
     folder, config, weights, tokenizer = checkpoint
     ids = tokenizer.encode(PROMPT).ids
     run = lambda seed: tokens(li.generate(ids, weights, config, 16, li.Sampling(temperature=1.0, top_k=50, top_p=0.95, seed=seed)))
-    assert run(3) == run(3)
-    assert run(3) != run(4)
+    first = run(3)
+    assert run(3) == first
+    assert run(4) != first
 
 
 # ---- sample() on a small known distribution --------------------------------------------------------
@@ -438,8 +444,8 @@ def test_a_tokenizer_larger_than_the_embedding_table_is_refused(tmp_path):
 @pytest.mark.parametrize("shards", [1, 3])
 @pytest.mark.parametrize("head, differs", [(None, False), ("same", False), ("different", True)],
                          ids=["no stored head", "an exact copy", "a different matrix"])
-def test_stored_head_differs_only_for_a_different_matrix(tmp_path, head, differs, shards):
-    folder = write_checkpoint(tmp_path / "m", TINY_CONFIG, tied_head=head, shards=shards)
+def test_stored_head_differs_only_for_a_different_matrix(checkpoints, head, differs, shards):
+    folder = checkpoints(TINY_CONFIG, tied_head=head, shards=shards)  # read, never written
     assert cli.stored_head_differs(cli.weight_files(folder)) is differs
     config, weights, _, _ = load_model(folder, mx.float32)
     assert config.tie_word_embeddings is not differs  # check_weights unties it for a head of its own
