@@ -447,9 +447,6 @@ def download_model(repo, model_dir, fields):
     import huggingface_hub as hub
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE=1: huggingface_hub will not download
-        raise UserError("Hugging Face's offline mode is on (HF_HUB_OFFLINE): unset it to download "
-                        f"{repo}, or fetch it with: {download_command(repo, model_dir)}")
     info = hub.HfApi().model_info(repo, files_metadata=True)
     sizes = {s.rfilename: s.size or 0 for s in info.siblings}
     if missing_files(sizes):
@@ -514,6 +511,11 @@ def find_model(model_arg, allow_download, fields):
     fetch = f"fetch it with: {download_command(repo, model_dir)}"
     if not allow_download:
         raise UserError(f"{what} and --no-download was given; {fetch}")
+    from huggingface_hub import constants  # imported only now: a third of a second
+
+    if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE=1: huggingface_hub will not download
+        raise UserError(f"{what}, and Hugging Face's offline mode is on (HF_HUB_OFFLINE): unset "
+                        f"it to download {repo}, or {fetch}")
     try:
         return download_model(repo, model_dir, fields)
     except UserError as e:
@@ -798,7 +800,8 @@ class ReplyPrinter:
     def add(self, token_id):
         self.n_tokens += 1
         piece = self.stream.step(self.tokenizer, token_id) or ""
-        hidden = self.hide_think and (self.thinking or token_id == self.think_ids[0])  # <think>...
+        # With hide_think, <think>, what follows it and </think> print nothing.
+        hidden = self.hide_think and (self.thinking or token_id == self.think_ids[0])
         if token_id == self.think_ids[self.thinking]:  # <think> opens, </think> closes
             self.thinking = not self.thinking
             self.show_progress(clear=True)
