@@ -29,7 +29,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from tokenizers import Tokenizer
 
 import cli
 import llm_inference as li
@@ -132,25 +131,13 @@ def test_tf32_is_off_in_the_tests_and_their_subprocesses(tmp_path):
 # other modules share, are in tests/conftest.py)
 # ------------------------------------------------------------------------------------------------
 
-TOKENIZERS = {}  # sha256 of a tokenizer.json: the Tokenizer parsed from it
-
-
-def parsed_tokenizer(path):
-    """Tokenizer.from_file(path), parsed once per distinct file in this process (0.45 s each): the
-    tests only encode and decode with it."""
-    key = hashlib.sha256(path.read_bytes()).hexdigest()
-    if key not in TOKENIZERS:
-        TOKENIZERS[key] = Tokenizer.from_file(str(path))
-    return TOKENIZERS[key]
-
-
 class Reference:
     """The same model loaded in this process with the library functions, to compare the CLI against."""
 
     def __init__(self, folder, dtype, bits=None):
         self.folder = folder
         self.config = li.load_config(folder)
-        self.tokenizer = parsed_tokenizer(folder / "tokenizer.json")
+        self.tokenizer = li.load_tokenizer(folder)  # parsed once per file (tests/conftest.py)
         self.weights = load_model(folder, dtype, bits)[1]
         self.eos_ids = cli.eos_token_ids(cli.load_generation_config(folder), self.tokenizer)
 
