@@ -36,11 +36,11 @@ from tokenizers import Tokenizer
 # PART 1: THE MODEL
 # ================================================================================================
 #
-# Plain functions: what --reference-ops runs, unless asked to quantize or split the model. Part 2
-# has other versions of ten of them, and main() swaps those in by name (Part 2's replace()):
-# load_tensor, linear and embed (quantization, section 16), rms_norm, apply_rope and attend
-# (fused kernels, 12), silu_gate (compilation, 13), sample (more sampling controls, 17), and
-# load_tensor, attention and swiglu (several machines, 20).
+# Plain functions: what --reference-ops runs, unless asked to quantize, split the model, or for
+# --min-p or --presence-penalty. Part 2 has other versions of ten of them; main() swaps them in
+# (Part 2's replace()): load_tensor, linear and embed (quantization, section 16), rms_norm,
+# apply_rope and attend (fused kernels, 12), silu_gate (compilation, 13), sample (more sampling
+# controls, 17), and load_tensor, attention and swiglu (several machines, 20).
 
 # --- 1. Load: the hyper-parameters from config.json, the weights from *.safetensors ---------------
 
@@ -142,7 +142,7 @@ def tokenize(tokenizer, text):
 
 def detokenize(tokenizer, token_ids):
     """Ids -> text, special tokens included: the pieces' bytes joined; [12095] -> " Paris". The chat
-    (section 18) and --trace use it; a streamed reply is printed through tokenizers' DecodeStream,
+    (section 18) uses it; a streamed reply is printed through tokenizers' DecodeStream,
     which holds back a character whose bytes are split across tokens until it is whole."""
     return tokenizer.decode(token_ids, skip_special_tokens=False)
 
