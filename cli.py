@@ -38,7 +38,6 @@ OPENBLAS_HINT = ("Hint: this CPU runs float32 faster with OpenBLAS, which this s
                  "installed: sudo apt-get install libopenblas0-pthread")
 
 import mlx.core as mx  # noqa: E402 (after the preload)
-from tokenizers.decoders import DecodeStream  # noqa: E402
 
 HF_REPO = "Qwen/Qwen3-0.6B"
 SCRIPT_DIR = Path(__file__).resolve().parent  # llm_inference.py's folder, where models may be
@@ -402,13 +401,6 @@ def load_generation_config(model_dir):
             raise UserError(f"{path}: {key!r} should be {expected}, got "
                             f"{json.dumps(values[key])}; fix it or delete the file")
     return values
-
-
-def eos_token_ids(generation_config, tokenizer):
-    """Ids that end a reply: <|im_end|> (151645) ends a chat turn, <|endoftext|> (151643) a text."""
-    ids = generation_config.get("eos_token_id", [])
-    ids = set(ids if isinstance(ids, list) else [ids])
-    return ids | {tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")} - {None}
 
 
 # --- Finding the model: a folder, or a Hugging Face repo id, downloaded once into its cache -------
@@ -786,20 +778,18 @@ class ReplyPrinter:
 
     DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 
-    def __init__(self, tokenizer, hide_think):
-        self.tokenizer, self.hide_think = tokenizer, hide_think
+    def __init__(self, tokenizer, text_stream, hide_think):
+        self.hide_think = hide_think
         self.think_ids = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
         self.colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ  # no-color.org
         self.progress = hide_think and sys.stderr.isatty()
-        # DecodeStream holds back the bytes of a character split across tokens (emoji, CJK) until
-        # it is complete: nothing prints as garbage.
-        self.stream = DecodeStream(skip_special_tokens=True)
+        self.text = text_stream(tokenizer)  # llm_inference.text_stream: whole characters only
         self.thinking, self.n_thinking, self.n_tokens = False, 0, 0
         self.answer_started = False  # for hide_think: the newlines after </think> are dropped
 
     def add(self, token_id):
         self.n_tokens += 1
-        piece = self.stream.step(self.tokenizer, token_id) or ""
+        piece = self.text(token_id)
         # With hide_think, <think>, what follows it and </think> print nothing.
         hidden = self.hide_think and (self.thinking or token_id == self.think_ids[0])
         if token_id == self.think_ids[self.thinking]:  # <think> opens, </think> closes
@@ -894,9 +884,9 @@ def stream(tokens, printer, on_first_logits=None):
     return interrupted, first - start - PREFILL.spent, end - first - untimed
 
 
-def complete(tokens, tokenizer, args, n_prompt, drawn=None):
+def complete(tokens, tokenizer, text_stream, args, n_prompt, drawn=None):
     """Print a completion as it comes (and --top-probs' table), then the statistics; exit code."""
-    printer = ReplyPrinter(tokenizer, args.hide_think)
+    printer = ReplyPrinter(tokenizer, text_stream, args.hide_think)
     top_probs = args.top_probs and (lambda logits: print_top_probs(
         logits, tokenizer, args.top_probs, drawn=drawn))
     interrupted, prefill_s, decode_s = stream(tokens, printer, top_probs)
@@ -983,7 +973,8 @@ def check_chat_room(n_format, max_tokens, context, system):
                   f"lower --max-tokens{' or shorten --system' * bool(system)}")
 
 
-def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda: None, group=None):
+def chat_loop(chat, text_stream, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda: None,
+              group=None):
     """Talk until end of input, Ctrl-D or /exit; new_reply() runs before each reply (section 17)."""
     interactive = sys.stdin.isatty()
     if interactive:
@@ -1018,7 +1009,7 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda:
         except UserError as e:  # a bad message is skipped; the chat goes on
             print(f"error: {e}", file=sys.stderr)
             continue
-        n_turns, printer = len(chat.turns), ReplyPrinter(chat.tokenizer, hide_think)
+        n_turns, printer = len(chat.turns), ReplyPrinter(chat.tokenizer, text_stream, hide_think)
         new_reply()
         interrupted, prefill_s, decode_s = stream(
             chat.reply(message, max_tokens, sampling, eos_ids, PREFILL.show), printer)
