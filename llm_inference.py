@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-import cli  # the program around the model; first, as on a Linux CPU it loads OpenBLAS before MLX
+import cli  # the program around the model. Imported first: on a Linux CPU, it loads OpenBLAS.
 import mlx.core as mx
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -38,17 +38,17 @@ from tokenizers.decoders import DecodeStream
 # ================================================================================================
 #
 # Plain functions that write the math out. `python llm_inference.py --reference-ops` runs exactly
-# this code. Some features of the command (quantizing, several processes, min-p) swap in other
-# versions of a few of these functions: Part 2 says which, and why.
+# this code. A plain run swaps in fused kernels and compilation for four of these functions, and
+# quantizing, several processes and min-p swap in others: Part 2 says which, and why.
 
 # --- 1. Load: the hyper-parameters from config.json, the weights from *.safetensors ---------------
 
 class Config(NamedTuple):  # what the model reads from config.json
-    hidden_size: int  # 1024: width of the "residual stream" layers read and add to (section 8)
+    hidden_size: int  # 1024 numbers per token, in the vectors every layer reads and adds to
     num_hidden_layers: int  # 28 transformer blocks
     num_attention_heads: int  # 16 query heads ...
     num_key_value_heads: int  # ... sharing 8 key/value heads (grouped-query attention, section 6)
-    head_dim: int  # 128: usually hidden_size / heads (64), but Qwen3 sets it: q is 16 x 128 wide
+    head_dim: int  # 128 channels per head. Qwen3 sets it, wider than hidden_size / 16 = 64.
     intermediate_size: int  # 3072: width of the SwiGLU feed-forward
     vocab_size: int  # 151936 rows in the embedding table
     rope_theta: float  # 1e6: base of the rotary position frequencies
@@ -84,8 +84,8 @@ def layer_shapes(c):
 
 
 def weight_files(model_dir):
-    """model.safetensors, or, for larger models split into shards, the files listed in
-    model.safetensors.index.json: {"weight_map": {name: "model-00001-of-00002.safetensors"}}."""
+    """model.safetensors, or the shards that model.safetensors.index.json lists for a larger model:
+    {"weight_map": {name: "model-00001-of-00002.safetensors"}}."""
     model_dir = Path(model_dir)
     if (model_dir / "model.safetensors").exists():  # the single file first, as transformers does
         return [model_dir / "model.safetensors"]
@@ -119,7 +119,7 @@ def load_weights(model_dir, config, dtype):
     # Each layer's tensors by short name: "q_proj" for model.layers.{i}.self_attn.q_proj.weight.
     layers = [{name.split(".")[-2]: take(f"model.layers.{i}.{name}")
                for name in layer_shapes(config)} for i in range(config.num_hidden_layers)]
-    # Qwen3-0.6B to 4B reuse the embedding table as the LM head. 8B and up store a head of their own.
+    # Qwen3-0.6B to 4B reuse the embedding table as the LM head. 8B and up store their own.
     lm_head = embed_tokens if config.tie_word_embeddings else take("lm_head.weight")
     return {"embed_tokens": embed_tokens, "layers": layers, "norm": take("model.norm.weight"),
             "lm_head": lm_head}
@@ -133,9 +133,8 @@ def load_tokenizer(model_dir):
 
 def tokenize(tokenizer, text):
     """Text -> ids of vocabulary pieces: "The capital of France is" -> [785, 6722, 315, 9625, 374].
-    Byte-level BPE cuts the text into word-like chunks. It then merges each chunk's UTF-8 bytes pair
-    by pair, following the merge list learned in training, until no merge applies. So any string
-    has an encoding, emoji included. A common word is one token, its leading space included."""
+    Byte-level BPE cuts the text into word-like chunks, then merges each chunk's UTF-8 bytes pair by
+    pair, as the merge list learned in training says. Any string has an encoding, emoji included."""
     return tokenizer.encode(text).ids
 
 
@@ -146,9 +145,8 @@ def detokenize(tokenizer, token_ids):
 
 def text_stream(tokenizer):
     """A function that takes a reply's ids one at a time and returns the text each one completes.
-    A piece is bytes, and a character takes up to 4 bytes of UTF-8. Rare characters have no piece of
-    their own, so two tokens can split one: 🦜 is [123918, 250], and each alone decodes to "�".
-    DecodeStream keeps such bytes, returning "", until the token that completes the character."""
+    A piece is bytes, so two tokens can split a character: 🦜 is [123918, 250], each alone "�".
+    DecodeStream keeps such bytes (returning None: "" here) until the token that completes them."""
     stream = DecodeStream(skip_special_tokens=True)
     return lambda token_id: stream.step(tokenizer, token_id) or ""
 
@@ -163,7 +161,7 @@ def embed(token_ids, embed_tokens):
 # --- 4. RMSNorm: rescale each vector to unit root-mean-square, then by a learned per-channel gain -
 
 def rms_norm(x, weight, eps):
-    """x / sqrt(mean(x²) + eps) * weight, over the last axis: layers read inputs of one scale."""
+    """x / sqrt(mean(x²) + eps) * weight, over the last axis, so layers read inputs of one scale."""
     x32 = x.astype(mx.float32)  # square and average in float32 (bfloat16 has 8 significant bits)
     x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * x32.astype(x.dtype)
@@ -173,8 +171,8 @@ def rms_norm(x, weight, eps):
 
 def apply_rope(x, offset, theta):
     """Rotate x (..., seq, head_dim), whose first position is the absolute position `offset`.
-    Channel i is paired with channel i + head_dim/2. (That is Hugging Face's "rotate_half" layout.
-    The RoPE paper pairs neighbours.) Pair i turns by the angle position * theta^(-2i/head_dim).
+    Channel i is paired with channel i + head_dim/2 (Hugging Face's "rotate_half" layout), and
+    pair i turns by the angle position * theta^(-2i/head_dim).
     Fast-turning pairs tell nearby tokens apart, slow ones distant tokens. Rotations compose, so the
     dot product of a rotated query and key depends on their positions only through their gap."""
     head_dim = x.shape[-1]
@@ -190,15 +188,13 @@ def apply_rope(x, offset, theta):
 #
 # Each position emits, per head, a query ("what am I looking for?"), a key ("what do I hold?") and a
 # value ("what do I pass on?"). Its output is an average of the values, weighted by how well its
-# query matches each key: softmax(Q Kᵀ / √head_dim) · V. Dividing by √128 keeps the scores'
-# variance near 1. A dot product cannot tell where tokens are, so RoPE (section 5) mixes positions
-# into queries and keys. A causal mask keeps each position from seeing the later ones, which it
-# must predict.
+# query matches each key: softmax(Q Kᵀ / √128) · V, where √128 keeps the scores' variance near 1.
+# RoPE (section 5) puts the positions into queries and keys. A causal mask keeps each position
+# from seeing the ones after it, since the model learns to predict them.
 #
-# Heads look for different things in parallel. Multi-head attention gives each of the 16 query
-# heads its own key/value head. Multi-query attention shares one among all. Qwen3's grouped-query
-# attention is in between: 8 K/V heads, each shared by 2 query heads. That halves the keys and
-# values to compute and to cache, at little cost in quality.
+# Heads look for different things in parallel. Qwen3's grouped-query attention gives its 16 query
+# heads 8 key/value heads, each shared by 2 query heads: half the keys and values to compute and to
+# cache of one K/V head per query head (multi-head attention), at little cost in quality.
 
 def linear(x, weight):
     """x @ weight.T, every matrix product of the model: x (seq, in) -> (seq, out). The checkpoint
@@ -214,24 +210,24 @@ def queries_keys_values(x, layer, config, offset):
     q = linear(x, layer["q_proj"]).reshape(1, seq, c.num_attention_heads, c.head_dim).swapaxes(1, 2)
     k = linear(x, layer["k_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim).swapaxes(1, 2)
     v = linear(x, layer["v_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim).swapaxes(1, 2)
-    # QK-norm, new in Qwen3, RMS-normalises each head's 128 query and key channels. Without it,
-    # their sizes can creep up in training until the softmax saturates. Normalise first, then
-    # rotate, the order Qwen3 was trained with. (The gains do not commute with the rotation.)
+    # QK-norm, new in Qwen3, RMS-normalises each head's 128 query and key channels, which could
+    # otherwise grow in training until the softmax saturates. Normalise, then rotate, as Qwen3 was
+    # trained: the rotation mixes channels i and i + 64, which have gains of their own.
     q = apply_rope(rms_norm(q, layer["q_norm"], c.rms_norm_eps), offset, c.rope_theta)
     k = apply_rope(rms_norm(k, layer["k_norm"], c.rms_norm_eps), offset, c.rope_theta)
     return q, k, v  # (1, 16, seq, 128), (1, 8, seq, 128), (1, 8, seq, 128)
 
 
 class KVCache:
-    """One layer's keys and values for every position so far, so a new token computes only its own.
-    Without it, every token would run all the earlier ones through every layer again. Qwen3-0.6B in
-    bfloat16 caches 28 layers x 2 (K, V) x 8 heads x 128 x 2 bytes = 112 KiB per token."""
+    """One layer's keys and values for every position so far, so a new token computes only its own
+    instead of running all the earlier ones through every layer again. Qwen3-0.6B in bfloat16
+    caches 28 layers x 2 (K, V) x 8 heads x 128 x 2 bytes = 112 KiB per token."""
 
     GROWTH = 256  # positions added at a time: one copy per 256 tokens, not one per token
 
     def __init__(self):
         self.keys = self.values = None  # (1, 8, capacity, 128), preallocated, written in place
-        self.offset = 0  # positions filled. It advances when a step is recorded, not computed.
+        self.offset = 0  # positions filled (MLX being lazy, written when next computed)
 
     def update_and_fetch(self, k, v):
         """Store k, v (1, 8, seq, 128) at positions offset, offset+1, ... Return all so far."""
@@ -239,7 +235,7 @@ class KVCache:
         capacity = 0 if self.keys is None else self.keys.shape[-2]
         if end > capacity:  # full: add room for a whole number of GROWTH positions
             room = math.ceil((end - capacity) / self.GROWTH) * self.GROWTH
-            room = (*k.shape[:-2], room, k.shape[-1])
+            room = (*k.shape[:-2], room, k.shape[-1])  # the shape of the new positions
             if self.keys is None:  # two arrays, not one shared, as the writes below are in place
                 self.keys, self.values = mx.zeros(room, k.dtype), mx.zeros(room, v.dtype)
             else:
@@ -266,7 +262,7 @@ def attend(q, k, v):
     # head 0), and no repeated copy of the keys and values is built.
     q = q.reshape(n_kv_heads, n_heads // n_kv_heads, seq, head_dim)  # (8, 2, seq, 128)
     k, v = k.reshape(n_kv_heads, 1, total, head_dim), v.reshape(n_kv_heads, 1, total, head_dim)
-    scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total). Scale q, the smaller array.
+    scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total); q is smaller than scores
     # Causal mask: query i sits at position total-seq+i and sees keys 0 ... total-seq+i.
     allowed = mx.arange(total)[None, :] <= (total - seq + mx.arange(seq))[:, None]
     scores = mx.where(allowed, scores, -mx.inf)  # (seq, total) mask, broadcast
@@ -287,8 +283,8 @@ def attention(x, layer, config, cache):
 # --- 7. SwiGLU feed-forward: a gated two-layer MLP applied to each position on its own ------------
 
 def silu_gate(gate, up):
-    """silu(gate) * up, element by element. silu(g) = g * σ(g) is a smooth ReLU. Multiplied with a
-    second projection, `up`, it gates it: not a 0-1 switch, but a learned weighting."""
+    """silu(gate) * up, element by element. silu(g) = g * σ(g) is a smooth ReLU. It scales `up`,
+    a second projection of the same input: a learned gate, not a 0-1 switch."""
     return gate * mx.sigmoid(gate) * up
 
 
@@ -315,8 +311,8 @@ def transformer_block(x, layer, config, cache):
 # --- 9. Forward: embed -> 28 blocks -> final norm -> LM head --------------------------------------
 
 def forward(token_ids, weights, config, cache, last_only=True):
-    """Logits for token_ids (seq,), which continue the sequence already in `cache` (one per layer).
-    That is (vocab,) scores for the next token, or every position's (seq, vocab) if not last_only."""
+    """Logits for token_ids (seq,), which continue the sequence in `cache` (a KVCache per layer):
+    (vocab,) scores for the next token, or every position's (seq, vocab) if not last_only."""
     x = embed(token_ids, weights["embed_tokens"])  # (seq, 1024)
     for layer, layer_cache in zip(weights["layers"], cache):
         x = transformer_block(x, layer, config, layer_cache)
@@ -330,8 +326,8 @@ def forward(token_ids, weights, config, cache, last_only=True):
 # --- 10. Sample: pick the next token from the logits ----------------------------------------------
 
 class Sampling(NamedTuple):
-    """Qwen recommends temperature 0.6, top-k 20 and top-p 0.95 (generation_config.json) for chat.
-    The command uses them there, and greedy picking for a plain completion."""
+    """Greedy by default. A chat takes Qwen's values from generation_config.json: temperature 0.6,
+    top-k 20, top-p 0.95. main() also draws a random seed, unless given one."""
     temperature: float = 0.0  # 0 = greedy: always the most likely token
     top_k: int = 0  # keep the k most likely tokens (0 = all) ...
     top_p: float = 1.0  # ... then the fewest whose probabilities add up to >= top_p (nucleus)
@@ -370,36 +366,41 @@ def sample(logits, sampling, key):
 
 # --- 11. Generate: prefill the prompt once, then decode one token at a time -----------------------
 #
-# Written plainly, the decode loop would be:
-#     for _ in range(max_tokens):
-#         yield token.item()                 # wait for the GPU to compute the token
-#         token, logits = step(token[None])  # the GPU idles while Python records this step
-# For a small model on a fast GPU, recording a step takes a good part of the time that running it
-# takes (docs/performance.md). But MLX is lazy. So step n+1 is recorded on token n before token n
-# is computed, and queued with mx.async_eval. Only then do we wait for token n.
+# From text to text, with Part 1 alone:
+#     ids, eos_ids = tokenize(tokenizer, prompt), load_eos_ids(model_dir, tokenizer)
+#     text = text_stream(tokenizer)
+#     for token_id, _ in generate(ids, weights, config, 99, eos_ids=eos_ids):
+#         print(text(token_id), end="", flush=True)
 
 def load_eos_ids(model_dir, tokenizer):
-    """The ids that end a reply: generation_config.json's "eos_token_id", [151645, 151643] for
-    Qwen3. 151645 is <|im_end|>, which closes a chat turn. 151643 is <|endoftext|>, which ends a
-    document. Both count even where the file lacks them (it is optional)."""
+    """The ids that end a reply: those generation_config.json lists, and always <|im_end|> (151645),
+    which closes a chat turn, and <|endoftext|> (151643), which ends a document."""
     path = Path(model_dir) / "generation_config.json"
     ids = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id") if path.exists() else []
     ids = set(ids if isinstance(ids, list) else [ids])
     return (ids | {tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")}) - {None}
 
 
+# Written plainly, the decode loop would be:
+#     for _ in range(max_tokens):
+#         yield token.item()                 # wait for the GPU to compute the token
+#         token, logits = step(token[None])  # the GPU idles while Python records the next step
+# For a small model on a fast GPU, recording a step takes a good part of the time that running it
+# takes (docs/performance.md). MLX being lazy, generate() records step n+1 on token n before token
+# n is computed, queues it (mx.async_eval), and only then waits for token n.
+
 def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(), cache=None):
     """Yield (token id, the logits it was picked from) until an id in eos_ids (yielded too), or
-    max_tokens of them. `cache` may already hold earlier tokens, which prompt_ids continue. At the
-    end, the cache holds every token yielded, except the last when max_tokens ended the run. (A
-    token's keys and values enter the cache in the step that follows it.)"""
+    max_tokens of them. `cache` may already hold earlier tokens, which prompt_ids continue. A token
+    enters the cache in the step after it, so the last one yielded may be missing from it."""
     cache = make_cache(config) if cache is None else cache
     key = mx.random.key(sampling.seed)
 
     def step(token_ids):  # one forward pass over token_ids (seq,) and the token picked after it
         nonlocal key
         logits = forward(token_ids, weights, config, cache)
-        # Fresh randomness for each step, repeatable from the seed. Greedy picking needs none.
+        # Fresh randomness for each step, repeatable from the seed: split one key into two, one
+        # kept for later steps and one for this pick. Greedy picking needs none.
         key, pick_key = mx.random.split(key) if sampling.temperature else (key, key)
         return sample(logits, sampling, pick_key), logits
 
@@ -414,7 +415,7 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
             mx.async_eval(following[0])
         token_id = token.item()  # waits for token n only
         yield token_id, logits
-        if token_id in eos_ids or n + 1 == max_tokens:
+        if token_id in eos_ids or n + 1 == max_tokens:  # then `following` is not needed
             return
         token, logits = following
 
