@@ -773,6 +773,43 @@ def print_top_probs(logits, tokenizer, n, file=None, drawn=None):
                                                  else ""), file=file)
 
 
+class TracePrinter:
+    """--trace's output (llm_inference.trace computes what it shows)."""
+
+    def __init__(self, tokenizer, prompt_ids):
+        self.tokenizer = tokenizer
+        some = lambda items: " ".join(items[:16]) + (f" … ({len(items)})" if len(items) > 16 else "")
+        print(f"tokens: {len(prompt_ids)} ids {some([str(i) for i in prompt_ids])}\n"
+              f"        {some([piece(tokenizer, i) for i in prompt_ids])}\nblock 0, step by step:")
+
+    @staticmethod
+    def shape(a):
+        return f"{tuple(a.shape)} {str(a.dtype).split('.')[-1]}"
+
+    def step(self, name, out, what):
+        """One step of block 0: its name, the shapes of what it made (returned), what it does."""
+        outs = out if isinstance(out, tuple) else (out,)
+        print(f"  {name:<26} -> {', '.join(map(self.shape, outs))}  ({what})")
+        return out
+
+    def lens_intro(self, pick, tied):
+        print(f"after each block: the residual stream's size (RMS) and its logit lens: the likeliest "
+              f"next token if the model stopped there, and the rank there of "
+              f"{piece(self.tokenizer, pick)}, the final pick." +
+              (" Early blocks often show the last prompt token: the stream still holds its "
+               "embedding, which the LM head, tied to the embeddings, reads back as that token."
+               if tied else ""))
+
+    def block(self, i, x, rms, top, p_top, pick, rank):
+        print(f"block {i:>2} done: residual stream {self.shape(x)}, RMS {rms:.3f}, lens: "
+              f"{piece(self.tokenizer, top)} {p_top:.3f}, {piece(self.tokenizer, pick)} #{rank}")
+
+    def final(self, logits):
+        print(f"final RMSNorm + LM head -> logits {self.shape(logits)}; the next token's "
+              "probabilities:")
+        print_top_probs(logits, self.tokenizer, 5, file=sys.stdout)
+
+
 class ReplyPrinter:
     """A reply on stdout as it comes; on a terminal, <think>... dimmed or (hide_think) counted."""
 

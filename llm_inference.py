@@ -783,52 +783,35 @@ def logit_lens(x, weights, config):
 
 
 def trace(prompt_ids, weights, config, tokenizer, final=None):
-    """--trace: one forward pass over the prompt, narrated. Block 0 step by step, with the shape
-    of what each step makes; then, after each block, the size (RMS) of the residual stream and
-    its logit lens: the likeliest next token there, and the rank of the model's final pick.
-    final: the model's own logits for the prompt, if the caller has computed them."""
+    """--trace: one forward pass over the prompt, narrated. Block 0 step by step, with the shape of
+    what each step makes. Then, after each block, the size (RMS) of the residual stream and its
+    logit lens: the likeliest next token there, and the rank of the model's final pick. final: the
+    model's own logits for the prompt, if the caller has computed them."""
     c, ids, cache = config, mx.array(prompt_ids), make_cache(config)
     if final is None:
         final = forward(ids, weights, config, make_cache(config))
     pick = mx.argmax(final).item()
-    piece = lambda token_id: cli.piece(tokenizer, token_id)  # bytes of a character: <0xEF>
-    shape = lambda a: f"{tuple(a.shape)} {str(a.dtype).split('.')[-1]}"
-    some = lambda items: " ".join(items[:16]) + (f" … ({len(items)})" if len(items) > 16 else "")
-    print(f"tokens: {len(prompt_ids)} ids {some([str(i) for i in prompt_ids])}\n"
-          f"        {some([piece(i) for i in prompt_ids])}")
-
-    def step(name, out, what):
-        outs = out if isinstance(out, tuple) else (out,)
-        print(f"  {name:<26} -> {', '.join(map(shape, outs))}  ({what})")
-        return out
-
-    print("block 0, step by step:")
+    show = cli.TracePrinter(tokenizer, prompt_ids)  # the printing
     layer, eps = weights["layers"][0], c.rms_norm_eps
-    x = step("embed", embed(ids, weights["embed_tokens"]), "one table row per token")
-    n = step("rms_norm", rms_norm(x, layer["input_layernorm"], eps), "vectors to RMS 1, x gains")
-    q, k, v = step("queries_keys_values", queries_keys_values(n, layer, c, 0),
-                   "q, k, v heads; QK-norm and RoPE")
-    step("attend", attend(q, k, v), "softmax(q kᵀ/√d) v; a K/V head serves a group of q heads")
-    h = step("x + attention", x + attention(n, layer, c, cache[0]),
-             "the same through the cache; heads joined, projected by o_proj, added")
+    x = show.step("embed", embed(ids, weights["embed_tokens"]), "one table row per token")
+    n = show.step("rms_norm", rms_norm(x, layer["input_layernorm"], eps),
+                  "vectors to RMS 1, x gains")
+    q, k, v = show.step("queries_keys_values", queries_keys_values(n, layer, c, 0),
+                        "q, k, v heads; QK-norm and RoPE")
+    show.step("attend", attend(q, k, v), "softmax(q kᵀ/√d) v; a K/V head serves a group of q heads")
+    h = show.step("x + attention", x + attention(n, layer, c, cache[0]),
+                  "the same through the cache; heads joined, projected by o_proj, added")
     n = rms_norm(h, layer["post_attention_layernorm"], eps)
-    x = step("h + swiglu(rms_norm(h))", h + swiglu(n, layer), "feed-forward, added")
-    tied = weights["lm_head"] is weights["embed_tokens"]
-    print(f"after each block: the residual stream's size (RMS) and its logit lens: the likeliest "
-          f"next token if the model stopped there, and the rank there of {piece(pick)}, the final "
-          "pick." + (" Early blocks often show the last prompt token: the stream still holds its "
-                     "embedding, which the LM head, tied to the embeddings, reads back as that "
-                     "token." if tied else ""))
+    x = show.step("h + swiglu(rms_norm(h))", h + swiglu(n, layer), "feed-forward, added")
+    show.lens_intro(pick, tied=weights["lm_head"] is weights["embed_tokens"])
     for i, (layer, layer_cache) in enumerate(zip(weights["layers"], cache)):
         if i:
             x = transformer_block(x, layer, c, layer_cache)
         probs = mx.softmax(logit_lens(x, weights, c).astype(mx.float32))
         top, rank = mx.argmax(probs).item(), (probs > probs[pick]).sum().item() + 1
         rms = mx.sqrt(mx.mean(x.astype(mx.float32) ** 2)).item()
-        print(f"block {i:>2} done: residual stream {shape(x)}, RMS {rms:.3f}, lens: {piece(top)} "
-              f"{probs[top].item():.3f}, {piece(pick)} #{rank}")
-    print(f"final RMSNorm + LM head -> logits {shape(final)}; the next token's probabilities:")
-    cli.print_top_probs(final, tokenizer, 5, file=sys.stdout)
+        show.block(i, x, rms, top, probs[top].item(), pick, rank)
+    show.final(final)
 
 
 # --- 20. Several machines: one model split across processes (tensor parallelism) ------------------
