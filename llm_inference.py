@@ -567,16 +567,15 @@ def quantizable(shape, group_size=GROUP_SIZE):
 
 
 def quantize(weight, bits, dtype):
-    """A checkpoint matrix -> Quantized, as mlx_lm.convert does it: from the values as stored
-    (bfloat16), so the scales and biases are bfloat16 numbers, then held as `dtype` (float32 keeps
-    them exactly)."""
+    """A checkpoint matrix -> Quantized, as mlx_lm.convert does it: from the bfloat16 values as
+    stored, so the scales and biases are bfloat16 numbers, then held as `dtype`."""
     q, scales, biases = mx.quantize(weight, group_size=GROUP_SIZE, bits=bits)  # affine mode
     return Quantized(q, scales.astype(dtype), biases.astype(dtype), GROUP_SIZE, bits)
 
 
 def quantized_linear(x, weight):
-    """linear() that also takes Quantized weights: x @ dequantized(weight).T, without the
-    dequantized copy. (Once replaced, the name linear is this function: calling it would loop.)"""
+    """linear() that also takes Quantized weights: x @ dequantized(weight).T, without the copy.
+    (It cannot call linear(): once replaced, that name is this function.)"""
     if not isinstance(weight, Quantized):
         return x @ weight.T
     return mx.quantized_matmul(x, weight.packed, weight.scales, weight.biases, transpose=True,
@@ -592,17 +591,16 @@ def quantized_embed(token_ids, table):
 
 
 def use_quantization(bits=None, stored=None):
-    """Replaces load_tensor, linear and embed (above). stored: config.json's "quantization" entry
-    of a checkpoint mlx_lm.convert stored quantized, {"group_size": 64, "bits": 4, "mode":
-    "affine"}, plus settings of their own for layers quantized otherwise (mixed precision). Such
-    a checkpoint stores each quantized x.weight as x.weight (packed uint32), x.scales, x.biases."""
+    """Replaces load_tensor, linear and embed. stored: the "quantization" entry of config.json in a
+    folder mlx_lm.convert wrote, {"group_size": 64, "bits": 4, "mode": "affine"}, plus entries for
+    layers quantized otherwise. It stores x.weight as x.weight (packed), x.scales and x.biases."""
     stored = stored or {}
 
     def load_quantized(tensors, name, dtype):
         weight = tensors.pop(name)
         stem = name.removesuffix(".weight")
-        if f"{stem}.scales" in tensors:  # stored quantized: the integers are used as they are
-            how = stored.get(stem)  # a layer may have settings of its own (a dict)
+        if f"{stem}.scales" in tensors:  # stored quantized, so used as it is
+            how = stored.get(stem)  # a layer's own settings (a dict), if any
             how = how if isinstance(how, dict) else stored
             weight = Quantized(weight, tensors.pop(f"{stem}.scales").astype(dtype),
                                tensors.pop(f"{stem}.biases").astype(dtype), how["group_size"],
@@ -671,23 +669,18 @@ def use_extra_sampling(min_p, presence_penalty, vocab_size):
 #   <|im_start|>user\n{new message}<|im_end|>\n
 #   <|im_start|>assistant\n                             (+ <think>\n\n</think>\n\n for no thinking)
 #
-# Most of that is already in the cache from the turn before, so only the rest needs a prefill. The
-# cache keeps the longest prefix it shares with the new rendering, and forgets what follows. That
-# costs nothing. Setting `offset` back is enough, as new keys and values are written over the old.
-# Only a prefix can be kept. A token's keys and values depend on its position (RoPE), and, through
-# the layers below, on every token before it. After the first token that differs, everything is
-# computed again, even text that reappears unchanged at new positions.
+# Most of that is already in the cache from the turn before. The cache keeps the longest prefix it
+# shares with the new rendering and forgets the rest, which costs nothing: setting `offset` back is
+# enough, as new keys and values overwrite the old. Only a prefix can be kept, because a token's
+# keys and values depend on its position (RoPE) and on every token before it. After the first token
+# that differs, everything is computed again.
 #
-# Why would anything differ? Because the template rewrites history. Once a new user message
-# follows, a reply's <think>...</think> reasoning is dropped. It has served its purpose, keeping it
-# would fill the context, and Qwen3 was trained on conversations without it. The empty think block
-# of a reply made without thinking goes too. So each turn rolls back to the start of the last
-# reply, then prefills its answer and the new message. Everything before is reused. (A reply cut
-# off while thinking has no </think>. The template keeps it whole, and so do we.)
-#
-# Earlier replies enter the history as the token ids the model generated. Tokenizing their text
-# again could give other ids for the same text (another split into pieces), and the cache holds the
-# generated ones.
+# And something does differ, because the template rewrites history. Once a new user message
+# follows, a reply's <think>...</think> reasoning is dropped: it has served its purpose, and Qwen3
+# was trained on conversations without it. An empty think block goes too. So each turn rolls back
+# to the start of the last reply, then prefills its answer and the new message. (A reply cut off
+# while thinking has no </think>, and the template keeps it whole.) Earlier replies enter the
+# history as the ids the model generated: tokenizing their text again could split it otherwise.
 
 def chat_prompt(user, system=None, think=True):
     """Qwen3's chat format for one message, written out by hand.
@@ -818,49 +811,45 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 #
 # Qwen3-32B takes 65.5 GB in bfloat16, more than most Macs have. Split over two Macs, each holds
 # about half. `mlx.launch` starts one copy of this script per process (the README shows how), and
-# mx.distributed.init() connects them, over TCP by default (MLX's `ring` backend), RDMA over
-# Thunderbolt 5 (`jaccl`) or NCCL between CUDA GPUs. The processes form a *group* of n, and each
-# knows its *rank*, from 0 to n-1. all_sum(x) is the one exchange: every process hands in an array
-# of the same shape, and every one gets back their sum. Save these lines as sum.py and run
-# `mlx.launch -n 2 python sum.py`: two processes start on this machine, hand in 1 and 2, and both
-# print 3.
+# mx.distributed.init() connects them: over TCP by default (MLX's `ring` backend), with RDMA over
+# Thunderbolt 5 (`jaccl`), or with NCCL between CUDA GPUs. The processes form a *group* of n, and
+# each knows its *rank*, from 0 to n-1. all_sum(x) is the one exchange: every process hands in an
+# array of the same shape, and every one gets back their sum. Save these three lines as sum.py and
+# run `mlx.launch -n 2 python sum.py`. Two processes start here, hand in 1 and 2, and both print 3.
 #     import mlx.core as mx
 #     group = mx.distributed.init()
 #     print(f"process {group.rank()}: {mx.distributed.all_sum(mx.array(group.rank() + 1))}")
 #
-# A product y = x Wᵀ, with W stored (out, in), splits two ways. Split by rows of W (output
-# channels), each process computes its own outputs, with no exchange. Split by columns (the inner
-# dimension), each multiplies its slice of x by its columns, giving a partial sum of every output,
-# and one all_sum adds them up. Megatron-LM, writing y = x A with A = Wᵀ, calls the first a
-# column-parallel layer and the second a row-parallel one. A block pairs them, so that each
-# process's outputs of the first are the very slice of x that the second needs:
+# A product y = x Wᵀ, with W stored (out, in), splits two ways. Split W by rows (output channels),
+# and each process computes its own outputs, with no exchange. Split W by columns (the inner
+# dimension), and each process multiplies its slice of x by its columns: a partial sum of every
+# output, which one all_sum completes. Megatron-LM, which writes y = x A with A = Wᵀ, calls these
+# column-parallel and row-parallel layers. A block pairs them, so that each process's outputs of
+# the first are the very slice of x that the second needs:
 #
 #   x -> rms_norm -> q, k, v (its heads) -> attend -> o_proj (its columns) -> all_sum -> + x = h
 #   h -> rms_norm -> gate, up (its units) -> silu_gate -> down_proj (its columns) -> all_sum -> + h
 #
-# A head attends on its own, so each process computes and caches its own heads' keys and values.
-# silu_gate works unit by unit, so the feed-forward splits by units. Process 0 of 2 holds, of
-# Qwen3-0.6B's tensors:
+# Heads attend on their own, so each process computes and caches its own heads' keys and values.
+# silu_gate works unit by unit, so the feed-forward splits by units. Process 0 of 2 holds:
 #   q_proj (1024, 1024)          rows 0-1023 of (2048, 1024): query heads 0-7 of 16
 #   k_proj, v_proj (512, 1024)   rows 0-511 of (1024, 1024): key/value heads 0-3 of 8
 #   o_proj (1024, 1024)          columns 0-1023 of (1024, 2048): what heads 0-7 wrote
 #   gate_proj, up_proj (1536, 1024), down_proj (1024, 1536): units 0-1535 of 3072
 #   whole copies: embed_tokens (151936, 1024), which is also the LM head, and every norm
-# That is 0.75 GB in bfloat16 against 1.19 GB for one process (the embedding table weighs a lot in
-# a small model). For Qwen3-32B: 34.3 GB each for two processes, 18.7 GB each for four. All sample
-# with the same seed from the same logits, so all pick the same token. Only process 0 reads the
-# prompt and prints, and it shares what it reads (cli.join).
+# That is 0.75 GB of Qwen3-0.6B in bfloat16, against 1.19 GB whole (the embedding table is a large
+# part of a small model). Of Qwen3-32B, each of 2 processes holds 34.3 GB, and each of 4, 18.7 GB.
+# All sample with one seed from the same logits, so all pick the same token. Only process 0 reads
+# the prompt and prints, and it shares what it reads (cli.join).
 #
-# Each all_sum is a round trip over the link, two per block: 56 per token for Qwen3-0.6B. Over TCP,
+# Each all_sum is a round trip over the link: 56 per token for Qwen3-0.6B's 28 blocks. Over TCP,
 # their latency made a split model decode many times slower than one process (docs/performance.md).
-# RDMA's microseconds are what make a split pay, for a model too big for one machine.
-#
-# Pipeline parallelism is the other way to split: each machine holds whole layers, say 0-31 and
-# 32-63. A token crosses the link once per machine boundary, not twice per block. But the machines
-# take turns, each waiting while the other computes, unless several sequences are in flight. So a
-# single conversation gains memory but no speed. mlx-lm pipelines some large models (DeepSeek's)
-# and splits Qwen3 by tensors, as here. main() makes the split: split_config() for the shapes,
-# use_tensor_parallelism() before the weights are loaded.
+# RDMA's microseconds make a split pay, for a model too big for one machine. The other way to split
+# is pipeline parallelism: each machine holds whole layers, say 0-31 and 32-63, and a token crosses
+# the link once per machine boundary. But the machines take turns, each idle while the other
+# computes, unless several sequences are in flight: one conversation gains memory but no speed.
+# mlx-lm pipelines some large models (DeepSeek's) and splits Qwen3 by tensors, as here. main()
+# makes the split: split_config() for the shapes, use_tensor_parallelism() before loading.
 
 SPLIT_ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # out channels: heads, units
 SPLIT_COLUMNS = ("o_proj", "down_proj")  # in channels: the same heads and units
