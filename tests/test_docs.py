@@ -69,26 +69,24 @@ def test_every_relative_link_and_anchor_resolves():
 
 
 def comments(file):
-    """The comments of a Python file, each run of consecutive comment lines as one text, so that a
-    figure split over two lines is still seen."""
-    runs, last = [], None
+    """Each run of consecutive comment lines of a Python file as one text (a figure may be split
+    over two lines), with the line that each character of the text comes from."""
+    runs = []
     with open(file, "rb") as source:
         for token in tokenize.tokenize(source.readline):
             if token.type == tokenize.COMMENT:
-                line = token.start[0]
-                if last == line - 1:
-                    runs[-1] = (runs[-1][0], runs[-1][1] + " " + token.string.lstrip("# "))
-                else:
-                    runs.append((line, token.string.lstrip("# ")))
-                last = line
+                line, text = token.start[0], token.string.lstrip("# ") + " "
+                if not runs or runs[-1][1][-1] != line - 1:
+                    runs.append(("", []))
+                runs[-1] = (runs[-1][0] + text, runs[-1][1] + [line] * len(text))
     return runs
 
 
 def test_no_speed_figure_outside_docs_performance():
     """Measured speeds live in docs/performance.md alone. No comment of the code, and no line of the
     README, quotes a number of tokens a second."""
-    quoted = [f"{file.name}:{line}: {figure}" for file in CODE for line, text in comments(file)
-              for figure in SPEED.findall(text)]
+    quoted = [f"{file.name}:{lines[figure.start()]}: {figure.group()}" for file in CODE
+              for text, lines in comments(file) for figure in SPEED.finditer(text)]
     readme = (ROOT / "README.md").read_text().splitlines()
     quoted += [f"README.md:{n}: {figure}" for n, line in enumerate(readme, 1)
                for figure in SPEED.findall(line)]
