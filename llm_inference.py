@@ -532,7 +532,7 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
 # Decoding a token reads every weight matrix once. Fewer bits per weight always save memory. They
 # save time only where reading the weights limits decoding, as expected for large models on a Mac.
 # Qwen3-8B reads 15.1 GB of matrices per token in bfloat16 (of the embedding table, one row). At
-# 100 GB/s that caps it near 7 tokens a second, and its 4.3 GB at 4 bits near 23. For a small model
+# 100 GB/s that takes 151 ms per token, and its 4.3 GB at 4 bits 43 ms. For a small model
 # on a big GPU, each operation's fixed cost sets the pace instead. On a CPU, MLX's quantized product
 # is no faster than its float32 one. The measurements are in docs/performance.md.
 #
