@@ -544,8 +544,9 @@ class Quantized(NamedTuple):
 
 
 def quantizable(shape, group_size=GROUP_SIZE):
-    """Matrices whose rows split into whole groups (all of Qwen3's); mlx-lm leaves others as is."""
-    return len(shape) == 2 and shape[1] % group_size == 0
+    """Matrices (or stacks of them, section 21) whose rows split into whole groups (all of
+    Qwen3's); mlx-lm leaves others as is."""
+    return len(shape) >= 2 and shape[-1] % group_size == 0
 
 
 def quantize(weight, bits, dtype):
@@ -845,19 +846,22 @@ SPLIT_COLUMNS = ("o_proj", "down_proj")  # in channels: the same heads and units
 
 
 def split_config(config, n):
-    """The model as one of n processes runs it: 1/n of the heads and of the feed-forward."""
-    return config._replace(num_attention_heads=config.num_attention_heads // n,
-                           num_key_value_heads=config.num_key_value_heads // n,
-                           intermediate_size=config.intermediate_size // n)
+    """The model as one of n processes runs it: 1/n of the heads and of the feed-forward (of each
+    expert's too, section 21)."""
+    split = ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+             "moe_intermediate_size")
+    return config._replace(**{name: getattr(config, name) // n for name in split
+                              if hasattr(config, name)})
 
 
 def can_split(config, n, group_size=None):
     """Whether the heads and the feed-forward divide by n, and, quantized, whether each process's
     columns of o_proj and down_proj hold whole groups (a group's scale cannot be split)."""
     c = config  # (query heads are a multiple of key/value heads: whole groups split too)
-    if c.num_key_value_heads % n or c.intermediate_size % n:
+    units = {c.intermediate_size, getattr(c, "moe_intermediate_size", c.intermediate_size)}
+    if c.num_key_value_heads % n or any(u % n for u in units):
         return False
-    columns = (c.num_attention_heads * c.head_dim // n, c.intermediate_size // n)
+    columns = (c.num_attention_heads * c.head_dim // n, *(u // n for u in units))
     return not group_size or all(x % group_size == 0 for x in columns)
 
 
@@ -870,7 +874,7 @@ def use_tensor_parallelism(group):
 
     def load_share(tensors, name, dtype):
         weight, kind = load_whole(tensors, name, dtype), name.split(".")[-2]
-        axis = 0 if kind in SPLIT_ROWS else 1 if kind in SPLIT_COLUMNS else None
+        axis = -2 if kind in SPLIT_ROWS else -1 if kind in SPLIT_COLUMNS else None  # stacks too
         if axis is None:
             return weight
         # A contiguous copy of the share: a slice alone would keep the whole matrix alive.
@@ -886,6 +890,126 @@ def use_tensor_parallelism(group):
     replace(load_tensor=load_share, attention=summed(attention), swiglu=summed(swiglu))
 
 
+# --- 21. Mixture of experts: each token through 8 of 128 feed-forwards (Qwen3-30B-A3B) -----------
+#
+# Qwen3-30B-A3B trades each block's SwiGLU (section 7) for 128 smaller ones, "experts" of 768 units,
+# and a router, a (128, 2048) matrix: x @ router.T scores every expert for each token, and a softmax
+# makes the scores probabilities. Each token goes through its 8 likeliest experts only, and their
+# outputs are added up, weighted by those probabilities (rescaled to add up to 1 when
+# norm_topk_prob is true). So a token uses 3.3 B of the 30.5 B parameters and reads only their
+# bytes, a 3B model's work; yet the next token may pick any expert, so all of them must be in
+# memory, a 30B model's footprint.
+#
+# One expert at a time, a step would be a loop of small products. Instead each projection's
+# experts are stacked into one array, (128, 768, 2048) for gate_proj, and mx.gather_mm multiplies
+# each token by the experts its indices pick, in one operation and without copying them
+# (mx.gather_qmm when quantized). In a long prompt many tokens share an expert: sorted by expert,
+# they meet its matrix together (mlx-lm sorts too). A block in mlp_only_layers, or off every
+# decoder_sparse_step-th one, keeps a dense SwiGLU of intermediate_size.
+
+MOE_FIELDS = {  # what config.json adds for a mixture of experts (Qwen3-30B-A3B's values)
+    "num_experts": int,  # 128 experts in a block ...
+    "num_experts_per_tok": int,  # ... of which the router picks 8 for each token
+    "moe_intermediate_size": int,  # 768 units in each
+    "norm_topk_prob": bool,  # true: the 8 picks' probabilities rescaled to add up to 1
+    "decoder_sparse_step": int,  # 1: every block has experts; 2: every second one; ...
+    "mlp_only_layers": tuple,  # []: blocks that keep a dense SwiGLU
+}
+MoEConfig = NamedTuple("MoEConfig", [*Config.__annotations__.items(), *MOE_FIELDS.items()])
+MODEL_TYPES = {"qwen3": Config.__annotations__, "qwen3_moe": MoEConfig.__annotations__}
+
+
+def with_experts(config, model_dir):
+    """config, as a MoEConfig with MOE_FIELDS too for a model_type "qwen3_moe"."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    if raw["model_type"] != "qwen3_moe":
+        return config
+    return MoEConfig(*config, *(kind(raw[name]) for name, kind in MOE_FIELDS.items()))
+
+
+def has_experts(config, i):
+    return i not in config.mlp_only_layers and (i + 1) % config.decoder_sparse_step == 0
+
+
+def block_shapes(c):
+    """Each block's tensors, as layer_shapes(c) names them, for cli.py's checks. A block with
+    experts stores a router and each expert's SwiGLU in place of its own."""
+    if not isinstance(c, MoEConfig):
+        return layer_shapes(c)
+    dense, one = layer_shapes(c), layer_shapes(c._replace(intermediate_size=c.moe_intermediate_size))
+    experts = {f"mlp.experts.{e}.{name[4:]}": shape for e in range(c.num_experts)  # (768, 2048)
+               for name, shape in one.items() if name.startswith("mlp.")}
+    experts = {name: shape for name, shape in dense.items() if not name.startswith("mlp.")} | {
+        "mlp.gate.weight": (c.num_experts, c.hidden_size)} | experts  # the router: (128, 2048)
+    return [experts if has_experts(c, i) else dense for i in range(c.num_hidden_layers)]
+
+
+def route(x, router, k, norm_topk_prob):
+    """x (seq, 2048) -> the k experts each token goes to (seq, 8), and their weights (seq, 8)."""
+    probs = mx.softmax(linear(x, router), axis=-1, precise=True)  # (seq, 128), float32 inside
+    chosen = mx.argpartition(-probs, k - 1, axis=-1)[:, :k]  # the 8 likeliest, in no order
+    weights = mx.take_along_axis(probs, chosen, axis=-1)
+    return chosen, weights / weights.sum(axis=-1, keepdims=True) if norm_topk_prob else weights
+
+
+def expert_linear(x, weight, chosen, by_expert):
+    """linear() with the experts `chosen` picks from a stack: x (..., 1, in) -> (..., 1, out)."""
+    if isinstance(weight, Quantized):
+        return mx.gather_qmm(x, *weight[:3], rhs_indices=chosen, transpose=True, bits=weight.bits,
+                             group_size=weight.group_size, sorted_indices=by_expert)
+    return mx.gather_mm(x, weight.swapaxes(-1, -2), rhs_indices=chosen, sorted_indices=by_expert)
+
+
+def mixture(x, layer, k, norm_topk_prob):
+    """swiglu() of a block with experts: (seq, 2048) -> (seq, 2048), the sum of each token's 8
+    experts' SwiGLUs weighted by the router."""
+    chosen, weights = route(x, layer["gate"], k, norm_topk_prob)  # (seq, 8)
+    x = x[:, None, None, :]  # (seq, 1, 1, 2048): a row for each token, shared by its 8 experts
+    by_expert = chosen.size >= 64  # a longer prompt: its (token, expert) pairs sorted by expert
+    if by_expert:
+        order = mx.argsort(chosen.flatten())  # (seq x 8,)
+        x, chosen = x[order // k, 0], chosen.flatten()[order]  # (seq x 8, 1, 2048), (seq x 8,)
+    gate = expert_linear(x, layer["gate_proj"], chosen, by_expert)  # (seq, 8, 1, 768)
+    up = expert_linear(x, layer["up_proj"], chosen, by_expert)
+    y = expert_linear(silu_gate(gate, up), layer["down_proj"], chosen, by_expert)  # (..., 1, 2048)
+    if by_expert:  # back in token order
+        y = y[mx.argsort(order)].reshape(-1, k, 1, y.shape[-1])  # (seq, 8, 1, 2048)
+    return (y[:, :, 0] * weights[..., None]).sum(axis=1)  # (seq, 2048)
+
+
+def use_experts(config, bits=None):
+    """Replaces layer_shapes (a block's tensors gain the router, "gate"; None in a dense block),
+    load_tensor (a block's experts, stacked as they are read) and swiglu, for a MoEConfig. bits:
+    --quantize, which quantizes the routers to 8 bits, as mlx_lm.convert does."""
+    shapes, load_one, dense = layer_shapes, load_tensor, swiglu
+
+    def load_stacked(tensors, name, dtype):
+        parts = name.split(".")  # model.layers.{i}.mlp.{kind}.weight
+        if parts[3:4] != ["mlp"] or not has_experts(config, int(parts[2])):
+            return None if parts[4:5] == ["gate"] else load_one(tensors, name, dtype)  # no router
+        block, kind = ".".join(parts[:4]), parts[4]
+        stacked = f"{block}.switch_mlp.{kind}.weight"  # how mlx_lm.convert's folders store them
+        if kind == "gate" and bits and f"{block}.gate.scales" not in tensors:
+            weight = quantize(tensors.pop(name), 8, dtype)  # the router
+        elif kind == "gate" or stacked in tensors:
+            return load_one(tensors, stacked if stacked in tensors else name, dtype)
+        else:  # each expert computed as it is read, then copied into the stack: the peak is one
+            experts = [load_one(tensors, f"{block}.experts.{e}.{kind}.weight", dtype)  # block's
+                       for e in range(config.num_experts)]  # experts of one projection, twice
+            weight = (Quantized(*map(mx.stack, zip(*(q[:3] for q in experts))), *experts[0][3:])
+                      if isinstance(experts[0], Quantized) else mx.stack(experts))
+        mx.eval(weight)
+        return weight
+
+    def mixture_or_dense(x, layer):
+        if layer["gate"] is None:
+            return dense(x, layer)
+        return mixture(x, layer, config.num_experts_per_tok, config.norm_topk_prob)
+
+    router = lambda c: shapes(c) | {"mlp.gate.weight": (config.num_experts, c.hidden_size)}
+    replace(layer_shapes=router, load_tensor=load_stacked, swiglu=mixture_or_dense)
+
+
 # ================================================================================================
 # MAIN: the wiring of `python llm_inference.py` (the program around it is in cli.py)
 # ================================================================================================
@@ -896,7 +1020,7 @@ def main(argv=None):
         cli.join(group)  # process 0 reads the input for all, and prints
     args = cli.parse_args(argv)
     prompt = cli.read_prompt(args, group)  # None: a chat, its messages read as they come
-    fields = Config.__annotations__
+    fields = MODEL_TYPES  # config.json's fields: Config's, and MoEConfig's (section 21)
     model_dir = cli.find_model(args.model, not args.no_download, fields)  # downloaded if need be
     if args.chat:
         cli.check_chat_template(model_dir)
@@ -904,12 +1028,12 @@ def main(argv=None):
 
     # Load (section 1), after checking what the loaders assume: a broken file is one line.
     stored = cli.check_config(model_dir, fields, args.quantize)  # a checkpoint stored quantized
-    config = load_config(model_dir)
-    config = cli.check_weights(model_dir, config, stored, layer_shapes(config))  # may untie
+    config = with_experts(load_config(model_dir), model_dir)  # a MoEConfig for experts (21)
+    config = cli.check_weights(model_dir, config, stored, block_shapes(config))  # may untie
     n = group.size()
     cli.check_split(model_dir, config, n, args.quantize, stored, can_split)
     shares = split_config(config, n)  # this process's 1/n of the heads and the feed-forward
-    cli.check_fit(shares, layer_shapes(shares), dtype, args.quantize, stored, quantizable)
+    cli.check_fit(shares, block_shapes(shares), dtype, args.quantize, stored, quantizable)
     with cli.reading(model_dir / "tokenizer.json"):
         tokenizer = load_tokenizer(model_dir)
     cli.check_tokenizer(tokenizer, config, model_dir)
@@ -920,6 +1044,8 @@ def main(argv=None):
     # Part 2's replacements, all of them: from here on, Part 1's calls run these.
     if args.quantize or stored:
         use_quantization(args.quantize, stored)  # section 16: load_tensor, linear, embed
+    if isinstance(config, MoEConfig):  # before section 20, which splits what it loads and sums
+        use_experts(config, args.quantize)  # section 21: layer_shapes, load_tensor, swiglu
     if n > 1:  # after section 16: each process keeps its share of what that load_tensor makes
         use_tensor_parallelism(group)  # section 20: load_tensor, attention, swiglu
     if not args.reference_ops:
