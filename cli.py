@@ -367,6 +367,9 @@ def check_fit(config, layer_shapes, dtype, bits, stored, quantizable):
             f"{c.num_experts_per_tok} of a block's {c.num_experts} experts, but any may be next)"
             if hasattr(c, "num_experts") else "")
     check_memory(needed, memory_size(), dtype, gpu_working_set(), what)
+    if what and dtype != mx.float32 and not (bits or stored) and mx.default_device() == mx.cpu:
+        raise UserError(f"MLX's CPU multiplies unquantized experts (mx.gather_mm) in float32 only, "
+                        f"not {name_of(dtype)}: use --dtype float32 or --quantize")
 
 
 def wire_weights(weights):

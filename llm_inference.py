@@ -544,8 +544,7 @@ class Quantized(NamedTuple):
 
 
 def quantizable(shape, group_size=GROUP_SIZE):
-    """Matrices (or stacks of them, section 21) whose rows split into whole groups (all of
-    Qwen3's); mlx-lm leaves others as is."""
+    """Matrices, or stacks of them, whose rows split into whole groups; mlx-lm leaves others."""
     return len(shape) >= 2 and shape[-1] % group_size == 0
 
 
@@ -892,20 +891,15 @@ def use_tensor_parallelism(group):
 
 # --- 21. Mixture of experts: each token through 8 of 128 feed-forwards (Qwen3-30B-A3B) -----------
 #
-# Qwen3-30B-A3B trades each block's SwiGLU (section 7) for 128 smaller ones, "experts" of 768 units,
-# and a router, a (128, 2048) matrix: x @ router.T scores every expert for each token, and a softmax
-# makes the scores probabilities. Each token goes through its 8 likeliest experts only, and their
-# outputs are added up, weighted by those probabilities (rescaled to add up to 1 when
-# norm_topk_prob is true). So a token uses 3.3 B of the 30.5 B parameters and reads only their
-# bytes, a 3B model's work; yet the next token may pick any expert, so all of them must be in
-# memory, a 30B model's footprint.
-#
-# One expert at a time, a step would be a loop of small products. Instead each projection's
-# experts are stacked into one array, (128, 768, 2048) for gate_proj, and mx.gather_mm multiplies
-# each token by the experts its indices pick, in one operation and without copying them
-# (mx.gather_qmm when quantized). In a long prompt many tokens share an expert: sorted by expert,
-# they meet its matrix together (mlx-lm sorts too). A block in mlp_only_layers, or off every
-# decoder_sparse_step-th one, keeps a dense SwiGLU of intermediate_size.
+# Qwen3-30B-A3B's blocks trade the SwiGLU (section 7) for 128 smaller ones, "experts" of 768 units,
+# and a router, a (128, 2048) matrix: softmax(x @ router.T) gives each expert a probability for
+# each token. A token goes through its 8 likeliest experts, whose outputs are added up, weighted by
+# those probabilities (rescaled to add up to 1 if norm_topk_prob). So a token reads the bytes of
+# 3.3 B parameters, a small model's; yet the next may pick any expert: all 30.5 B stay in memory.
+# What runs fast: each projection's experts stacked, (128, 768, 2048) for gate_proj, and
+# mx.gather_mm (gather_qmm, quantized) multiplying each token by the experts its indices pick, in
+# one operation. In a long prompt, tokens sorted by expert meet each expert's matrix together.
+# Blocks in mlp_only_layers, or off every decoder_sparse_step-th, keep a dense SwiGLU.
 
 MOE_FIELDS = {  # what config.json adds for a mixture of experts (Qwen3-30B-A3B's values)
     "num_experts": int,  # 128 experts in a block ...
@@ -920,11 +914,10 @@ MODEL_TYPES = {"qwen3": Config.__annotations__, "qwen3_moe": MoEConfig.__annotat
 
 
 def with_experts(config, model_dir):
-    """config, as a MoEConfig with MOE_FIELDS too for a model_type "qwen3_moe"."""
+    """config, or for a model_type "qwen3_moe", a MoEConfig: config and MOE_FIELDS' values."""
     raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    if raw["model_type"] != "qwen3_moe":
-        return config
-    return MoEConfig(*config, *(kind(raw[name]) for name, kind in MOE_FIELDS.items()))
+    values = [kind(raw[name]) for name, kind in MOE_FIELDS.items() if raw["model_type"] != "qwen3"]
+    return MoEConfig(*config, *values) if values else config
 
 
 def has_experts(config, i):
@@ -932,15 +925,16 @@ def has_experts(config, i):
 
 
 def block_shapes(c):
-    """Each block's tensors, as layer_shapes(c) names them, for cli.py's checks. A block with
-    experts stores a router and each expert's SwiGLU in place of its own."""
+    """Each block's tensors, for cli.py's checks: layer_shapes(c), but a block with experts
+    stores a router and each expert's SwiGLU in place of its own."""
     if not isinstance(c, MoEConfig):
         return layer_shapes(c)
-    dense, one = layer_shapes(c), layer_shapes(c._replace(intermediate_size=c.moe_intermediate_size))
-    experts = {f"mlp.experts.{e}.{name[4:]}": shape for e in range(c.num_experts)  # (768, 2048)
-               for name, shape in one.items() if name.startswith("mlp.")}
-    experts = {name: shape for name, shape in dense.items() if not name.startswith("mlp.")} | {
-        "mlp.gate.weight": (c.num_experts, c.hidden_size)} | experts  # the router: (128, 2048)
+    moe = c._replace(intermediate_size=c.moe_intermediate_size)  # an expert's SwiGLU
+    dense, one = layer_shapes(c), layer_shapes(moe)
+    experts = {name: shape for name, shape in dense.items() if not name.startswith("mlp.")}
+    experts["mlp.gate.weight"] = (c.num_experts, c.hidden_size)  # the router: (128, 2048)
+    experts |= {f"mlp.experts.{e}.{name[4:]}": shape for e in range(c.num_experts)  # (768, 2048)
+                for name, shape in one.items() if name.startswith("mlp.")}
     return [experts if has_experts(c, i) else dense for i in range(c.num_hidden_layers)]
 
 
@@ -952,62 +946,55 @@ def route(x, router, k, norm_topk_prob):
     return chosen, weights / weights.sum(axis=-1, keepdims=True) if norm_topk_prob else weights
 
 
-def expert_linear(x, weight, chosen, by_expert):
-    """linear() with the experts `chosen` picks from a stack: x (..., 1, in) -> (..., 1, out)."""
-    if isinstance(weight, Quantized):
-        return mx.gather_qmm(x, *weight[:3], rhs_indices=chosen, transpose=True, bits=weight.bits,
-                             group_size=weight.group_size, sorted_indices=by_expert)
-    return mx.gather_mm(x, weight.swapaxes(-1, -2), rhs_indices=chosen, sorted_indices=by_expert)
-
-
 def mixture(x, layer, k, norm_topk_prob):
-    """swiglu() of a block with experts: (seq, 2048) -> (seq, 2048), the sum of each token's 8
-    experts' SwiGLUs weighted by the router."""
+    """swiglu() with experts: x (seq, 2048) -> each token's experts' SwiGLUs, weighted, summed."""
     chosen, weights = route(x, layer["gate"], k, norm_topk_prob)  # (seq, 8)
     x = x[:, None, None, :]  # (seq, 1, 1, 2048): a row for each token, shared by its 8 experts
     by_expert = chosen.size >= 64  # a longer prompt: its (token, expert) pairs sorted by expert
     if by_expert:
         order = mx.argsort(chosen.flatten())  # (seq x 8,)
         x, chosen = x[order // k, 0], chosen.flatten()[order]  # (seq x 8, 1, 2048), (seq x 8,)
-    gate = expert_linear(x, layer["gate_proj"], chosen, by_expert)  # (seq, 8, 1, 768)
-    up = expert_linear(x, layer["up_proj"], chosen, by_expert)
-    y = expert_linear(silu_gate(gate, up), layer["down_proj"], chosen, by_expert)  # (..., 1, 2048)
+
+    def product(x, w):  # linear() with each token's experts: (..., 1, in) -> (..., 1, out)
+        if isinstance(w, Quantized):
+            return mx.gather_qmm(x, *w[:3], rhs_indices=chosen, transpose=True, bits=w.bits,
+                                 group_size=w.group_size, sorted_indices=by_expert)
+        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=chosen, sorted_indices=by_expert)
+
+    gate, up = product(x, layer["gate_proj"]), product(x, layer["up_proj"])  # (seq, 8, 1, 768)
+    y = product(silu_gate(gate, up), layer["down_proj"])  # (seq, 8, 1, 2048)
     if by_expert:  # back in token order
-        y = y[mx.argsort(order)].reshape(-1, k, 1, y.shape[-1])  # (seq, 8, 1, 2048)
+        y = y[mx.argsort(order)].reshape(-1, k, 1, y.shape[-1])
     return (y[:, :, 0] * weights[..., None]).sum(axis=1)  # (seq, 2048)
 
 
 def use_experts(config, bits=None):
-    """Replaces layer_shapes (a block's tensors gain the router, "gate"; None in a dense block),
-    load_tensor (a block's experts, stacked as they are read) and swiglu, for a MoEConfig. bits:
-    --quantize, which quantizes the routers to 8 bits, as mlx_lm.convert does."""
+    """Replaces layer_shapes (a block gains the router, "gate": None in a dense block), load_tensor
+    (it stacks a block's experts as it reads them) and swiglu, for a MoEConfig. bits: --quantize;
+    the routers are quantized to 8 bits, as mlx_lm.convert does."""
     shapes, load_one, dense = layer_shapes, load_tensor, swiglu
 
     def load_stacked(tensors, name, dtype):
-        parts = name.split(".")  # model.layers.{i}.mlp.{kind}.weight
-        if parts[3:4] != ["mlp"] or not has_experts(config, int(parts[2])):
-            return None if parts[4:5] == ["gate"] else load_one(tensors, name, dtype)  # no router
-        block, kind = ".".join(parts[:4]), parts[4]
-        stacked = f"{block}.switch_mlp.{kind}.weight"  # how mlx_lm.convert's folders store them
-        if kind == "gate" and bits and f"{block}.gate.scales" not in tensors:
-            weight = quantize(tensors.pop(name), 8, dtype)  # the router
-        elif kind == "gate" or stacked in tensors:
-            return load_one(tensors, stacked if stacked in tensors else name, dtype)
-        else:  # each expert computed as it is read, then copied into the stack: the peak is one
-            experts = [load_one(tensors, f"{block}.experts.{e}.{kind}.weight", dtype)  # block's
-                       for e in range(config.num_experts)]  # experts of one projection, twice
-            weight = (Quantized(*map(mx.stack, zip(*(q[:3] for q in experts))), *experts[0][3:])
-                      if isinstance(experts[0], Quantized) else mx.stack(experts))
-        mx.eval(weight)
-        return weight
-
-    def mixture_or_dense(x, layer):
-        if layer["gate"] is None:
-            return dense(x, layer)
-        return mixture(x, layer, config.num_experts_per_tok, config.norm_topk_prob)
+        *block, kind, _ = name.split(".")  # model, layers, {i}, mlp; gate_proj; weight
+        if block[3:] != ["mlp"] or not has_experts(config, int(block[2])):
+            return None if kind == "gate" else load_one(tensors, name, dtype)
+        block = ".".join(block)
+        if kind == "gate" and bits and f"{block}.gate.scales" not in tensors:  # the router
+            router = quantize(tensors.pop(name), 8, dtype)
+            mx.eval(router)
+            return router
+        stacked = f"{block}.switch_mlp.{kind}.weight"  # as mlx_lm.convert's folders hold them
+        if kind != "gate" and stacked not in tensors:  # Hugging Face's: a tensor per expert
+            tensors[stacked] = mx.stack([tensors.pop(f"{block}.experts.{e}.{kind}.weight")
+                                         for e in range(config.num_experts)])  # (128, 768, 2048)
+        # Read into the stack as load_one computes it: the peak holds one projection's experts
+        # of one block twice, not the model.
+        return load_one(tensors, name if kind == "gate" else stacked, dtype)
 
     router = lambda c: shapes(c) | {"mlp.gate.weight": (config.num_experts, c.hidden_size)}
-    replace(layer_shapes=router, load_tensor=load_stacked, swiglu=mixture_or_dense)
+    either = lambda x, layer: dense(x, layer) if layer["gate"] is None else mixture(
+        x, layer, config.num_experts_per_tok, config.norm_topk_prob)
+    replace(layer_shapes=router, load_tensor=load_stacked, swiglu=either)
 
 
 # ================================================================================================
