@@ -139,11 +139,13 @@ def test_flags_give_the_same_text(tiny_moe, capsys):
 
 
 def test_chat_reuses_its_cache(moe):
+    """The second turn's reply, its conversation prefilled in part (the first turn cached) or in
+    full (in one pass, its tokens sorted by expert), is the same."""
     _, config, weights, tokenizer = experts(moe)
     chat = li.Chat(weights, config, tokenizer)
-    list(chat.reply("Hello there", 6))
+    list(chat.reply(PROMPT, 6))
     second = tokens(chat.reply("Tell me more", 6))
-    assert chat.reused > 0
+    assert chat.reused > 16
     fresh = li.Chat(weights, config, tokenizer)
     fresh.turns = chat.turns[:1]
     assert tokens(fresh.reply("Tell me more", 6)) == second and fresh.reused == 0
@@ -257,3 +259,28 @@ def test_memory_check_counts_every_expert(tmp_path, monkeypatch):
                                             r"a token uses 8 of a block's 128 experts"):
         fit(None)
     fit(4)
+
+
+def test_two_processes_split_each_expert(moe):
+    """Each of 2 processes keeps half of every expert's units (and of the heads): its memory check
+    counts that half. Quantized, its columns of down_proj must hold whole groups of 64."""
+    config = moe[1]
+    shares = li.split_config(config, 2)
+    assert shares == config._replace(num_attention_heads=2, num_key_value_heads=1,
+                                     intermediate_size=64, moe_intermediate_size=32)
+    assert li.can_split(config, 2) and not li.can_split(config, 2, 64)  # 32 columns of down_proj
+
+
+def test_unquantized_experts_in_bfloat16_on_the_cpu(tiny_moe, monkeypatch):
+    """MLX's CPU runs mx.gather_mm in float32 only: bfloat16 is one line, not a traceback; quantized
+    experts (mx.gather_qmm) run."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        with pytest.raises(cli.UserError, match=r"float32 only, not bfloat16: use --dtype float32"):
+            load_model(tiny_moe, mx.bfloat16)
+        restore()
+        config, weights, tokenizer, _ = load_model(tiny_moe, mx.bfloat16, 4)
+        assert len(tokens(li.generate(tokenizer.encode(PROMPT).ids, weights, config, 2))) == 2
+    finally:
+        mx.set_default_device(device)
