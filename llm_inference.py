@@ -939,11 +939,15 @@ def block_shapes(c):
 
 
 def route(x, router, k, norm_topk_prob):
-    """x (seq, 2048) -> the k experts each token goes to (seq, 8), and their weights (seq, 8)."""
-    probs = mx.softmax(linear(x, router), axis=-1, precise=True)  # (seq, 128), float32 inside
-    chosen = mx.argpartition(-probs, k - 1, axis=-1)[:, :k]  # the 8 likeliest, in no order
-    weights = mx.take_along_axis(probs, chosen, axis=-1)
-    return chosen, weights / weights.sum(axis=-1, keepdims=True) if norm_topk_prob else weights
+    """x (seq, 2048) -> the k experts each token goes to (seq, 8), and their weights (seq, 8).
+    Softmax keeps the order of the scores, so the 8 likeliest experts are the 8 best-scored; and
+    their probabilities rescaled to add up to 1 are the softmax of their 8 scores alone."""
+    scores = linear(x, router)  # (seq, 128)
+    chosen = mx.argpartition(scores, -k, axis=-1)[:, -k:]  # the 8 best, in no order
+    if norm_topk_prob:
+        return chosen, mx.softmax(mx.take_along_axis(scores, chosen, axis=-1), axis=-1, precise=True)
+    probs = mx.softmax(scores, axis=-1, precise=True)  # precise: float32 inside
+    return chosen, mx.take_along_axis(probs, chosen, axis=-1)
 
 
 def mixture(x, layer, k, norm_topk_prob):
@@ -965,7 +969,7 @@ def mixture(x, layer, k, norm_topk_prob):
     y = product(silu_gate(gate, up), layer["down_proj"])  # (seq, 8, 1, 2048)
     if by_expert:  # back in token order
         y = y[mx.argsort(order)].reshape(-1, k, 1, y.shape[-1])
-    return (y[:, :, 0] * weights[..., None]).sum(axis=1)  # (seq, 2048)
+    return (weights[:, None, :] @ y[:, :, 0])[:, 0]  # (seq, 1, 8) @ (seq, 8, 2048): weighted sum
 
 
 def use_experts(config, bits=None):
