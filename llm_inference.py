@@ -896,10 +896,10 @@ def use_tensor_parallelism(group):
 # each token. A token goes through its 8 likeliest experts, whose outputs are added up, weighted by
 # those probabilities (rescaled to add up to 1 if norm_topk_prob). So a token reads the bytes of
 # 3.3 B parameters, a small model's; yet the next may pick any expert: all 30.5 B stay in memory.
-# What runs fast: each projection's experts stacked, (128, 768, 2048) for gate_proj, and
-# mx.gather_mm (gather_qmm, quantized) multiplying each token by the experts its indices pick, in
-# one operation. In a long prompt, tokens sorted by expert meet each expert's matrix together.
-# Blocks in mlp_only_layers, or off every decoder_sparse_step-th, keep a dense SwiGLU.
+# Fast in MLX: each projection's experts stacked, (128, 768, 2048) for gate_proj, and mx.gather_mm
+# multiplying each token by the experts its indices pick, in one operation; in a long prompt,
+# sorted by expert, tokens meet each expert's matrix together. Blocks in mlp_only_layers, or off
+# every decoder_sparse_step-th, keep a dense SwiGLU.
 
 MOE_FIELDS = {  # what config.json adds for a mixture of experts (Qwen3-30B-A3B's values)
     "num_experts": int,  # 128 experts in a block ...
