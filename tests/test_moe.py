@@ -268,7 +268,9 @@ def test_two_processes_split_each_expert(moe):
     shares = li.split_config(config, 2)
     assert shares == config._replace(num_attention_heads=2, num_key_value_heads=1,
                                      intermediate_size=64, moe_intermediate_size=32)
-    assert li.can_split(config, 2) and not li.can_split(config, 2, 64)  # 32 columns of down_proj
+    wider = config._replace(head_dim=32)  # 64 columns of o_proj each, 64 of the dense down_proj
+    assert li.can_split(wider, 2) and not li.can_split(wider, 2, 64)  # but 32 of each expert's
+    assert li.can_split(wider._replace(moe_intermediate_size=128), 2, 64)
 
 
 def test_unquantized_experts_in_bfloat16_on_the_cpu(tiny_moe, monkeypatch):
