@@ -406,10 +406,10 @@ TINY_MOE_CONFIG = TINY_CONFIG | {
 
 # Qwen3-30B-A3B's shape (its config.json's sizes; 48 layers): 30.5 B parameters, 3.3 B per token.
 QWEN3_30B_A3B_SHAPE = TINY_MOE_CONFIG | {
-    "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48, "max_window_layers": 48,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-    "num_experts_per_tok": 8, "moe_intermediate_size": 768, "mlp_only_layers": [],
-    "tie_word_embeddings": False,
+    "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+    "max_window_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+    "mlp_only_layers": [], "tie_word_embeddings": False,
 }
 
 # The true Qwen3-0.6B shape: no overrides.

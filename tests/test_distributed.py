@@ -43,7 +43,8 @@ import pytest
 
 import cli
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG, TINY_MOE_CONFIG, write_checkpoint, load_model, weight_bytes
+from tests.checkpoint import (TINY_CONFIG, TINY_MOE_CONFIG, write_checkpoint, load_model,
+                              weight_bytes)
 from tests.test_cli import SCRIPT, cli_env
 
 PROMPT = "The capital of France is"

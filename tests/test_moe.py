@@ -200,7 +200,8 @@ def edited(folder, tmp_path, config=None, drop=None):
     if config:
         raw = json.loads((folder / "config.json").read_text()) | config
         (copy / "config.json").unlink()
-        (copy / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+        kept = {key: value for key, value in raw.items() if value is not None}
+        (copy / "config.json").write_text(json.dumps(kept))
     if drop:
         tensors = mx.load(str(folder / "model.safetensors"))
         del tensors[drop]
