@@ -405,7 +405,7 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 # ================================================================================================
 #
 # Some sections change how Part 1 runs: fused kernels (12), compilation (13), quantized matrices
-# (16), more sampling controls (17) and several machines (20). Each replaces Part 1 functions by
+# (16), more sampling controls (17), several machines (20), experts (21): each replaces Part 1's by
 # name, with replace(): Python looks a global name up each time it is called, so after
 # replace(rms_norm=fused_rms_norm) every call of rms_norm() in Part 1 runs the kernel, and Part 1
 # reads as you read it. main() makes all the replacements, in one block; with --reference-ops it
