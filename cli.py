@@ -97,18 +97,18 @@ def name_of(dtype):
 # --- The model folder: everything llm_inference.py's loaders assume, each failure one line -------
 
 def check_config(model_dir, fields, bits=None):
-    """Check config.json: a dense Qwen3 with every field of llm_inference.Config (fields: name ->
-    type). Returns its "quantization" entry ({} for weights stored as floats). bits: --quantize."""
+    """Check config.json: a Qwen3 with every field its model_type needs (fields: name -> type, or
+    for each model_type, llm_inference.MODEL_TYPES). Returns its "quantization" entry ({} for
+    weights stored as floats). bits: --quantize."""
     path = Path(model_dir) / "config.json"
     raw = read_json(path)
     found, rope = raw.get("model_type"), raw.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise UserError(f"{path}: 'rope_parameters' should be an object, got {json.dumps(rope)}")
-    if found == "qwen3_moe":
-        raise UserError(f"{path} describes a mixture-of-experts model (model_type 'qwen3_moe'), "
-                        "which this script does not implement; use a dense Qwen3 model")
-    if found != "qwen3":
-        raise UserError(f"{path} is not a Qwen3 config (model_type is {found!r}, expected 'qwen3')")
+    types = fields if "qwen3" in fields else {"qwen3": fields}
+    if found not in types:
+        raise UserError(f"{path} is not a Qwen3 config (model_type is {found!r}, expected "
+                        f"{' or '.join(map(repr, types))})")
     for feature, asked in {  # variants Part 1 does not implement: refused, not run wrong
         "RoPE scaling": raw.get("rope_scaling") or rope.get("rope_type", "default") != "default",
         "attention bias (attention_bias: true)": raw.get("attention_bias"),
@@ -117,13 +117,19 @@ def check_config(model_dir, fields, bits=None):
         if asked:
             raise UserError(f"{path} asks for {feature}, which this script does not implement")
     raw.setdefault("rope_theta", rope.get("rope_theta"))  # transformers 5 writes it in there
-    kinds = {bool: "true or false", int: "a positive integer", float: "a positive number"}
-    for name, kind in fields.items():
+    kinds = {bool: "true or false", int: "a positive integer", float: "a positive number",
+             tuple: "a list of layer numbers"}
+    for name, kind in types[found].items():
         value = raw.get(name)
         if value is None:
             raise UserError(f"{path} lacks the required key {name!r}")
-        if not (isinstance(value, bool) if kind is bool else is_number(value, kind) and value > 0):
+        if not (isinstance(value, bool) if kind is bool else isinstance(value, list) and all(
+                is_number(i, int) and i >= 0 for i in value) if kind is tuple else
+                is_number(value, kind) and value > 0):
             raise UserError(f"{path}: {name!r} should be {kinds[kind]}, got {json.dumps(value)}")
+    if found == "qwen3_moe" and raw["num_experts_per_tok"] > raw["num_experts"]:
+        raise UserError(f"{path}: 'num_experts_per_tok' ({raw['num_experts_per_tok']}) should be "
+                        f"at most 'num_experts' ({raw['num_experts']})")
     if raw["head_dim"] % 2:  # RoPE turns pairs of channels (section 5)
         raise UserError(f"{path}: 'head_dim' should be even, got {raw['head_dim']}")
     heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
@@ -169,14 +175,16 @@ def weight_files(model_dir):
 
 
 def tensor_shapes(config, layer_shapes):
-    """Every tensor Part 1 loads, with its shape; layer_shapes: one block's (layer_shapes())."""
+    """Every tensor Part 1 loads, with its shape; layer_shapes: one block's (layer_shapes()), or
+    each block's (a list: llm_inference.block_shapes(), for a mixture of experts)."""
     c = config
+    each = layer_shapes if isinstance(layer_shapes, list) else [layer_shapes] * c.num_hidden_layers
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
               "model.norm.weight": (c.hidden_size,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_hidden_layers):
-        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer_shapes.items()}
+    for i, block in enumerate(each):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in block.items()}
     return shapes
 
 
@@ -189,22 +197,28 @@ def check_weights(model_dir, config, stored, layer_shapes):
             path.open("rb").close()  # the OS's reason (no such file, a directory): MLX's is vaguer
             tensors |= {name: (path, tensor) for name, tensor in mx.load(str(path)).items()}
     where = files[0] if len(files) == 1 else f"the sharded checkpoint {model_dir}"
-    first = next(iter(layer_shapes))
+    first = next(iter(layer_shapes[0] if isinstance(layer_shapes, list) else layer_shapes))
     for i in range(config.num_hidden_layers):  # before listing 10**9 layers' tensors, say
         if f"model.layers.{i}.{first}" not in tensors:
             raise UserError(f"{where} lacks the tensor 'model.layers.{i}.{first}'")
     floats = (mx.bfloat16, mx.float16, mx.float32)
     untied = config._replace(tie_word_embeddings=False)  # a tied checkpoint's head may be used
     shapes = tensor_shapes(untied if "lm_head.weight" in tensors else config, layer_shapes)
+    for name in [name for name in shapes if ".experts.0." in name]:
+        stacked = name.replace(".experts.0.", ".switch_mlp.")  # mlx_lm.convert stacks them
+        if stacked in tensors:
+            shapes[stacked] = (config.num_experts, *shapes[name])
+            for e in range(config.num_experts):
+                del shapes[name.replace(".experts.0.", f".experts.{e}.")]
     expected = {name: (shape, floats) for name, shape in shapes.items()}
-    for name, (rows, *columns) in shapes.items():
+    for name, (*rows, columns) in shapes.items():
         stem = name.removesuffix(".weight")
-        if stored and columns and f"{stem}.scales" in tensors:  # stored quantized (section 16)
+        if stored and rows and f"{stem}.scales" in tensors:  # stored quantized (section 16)
             how = stored.get(stem)
             how = how if isinstance(how, dict) else stored
-            expected[name] = ((rows, columns[0] * how["bits"] // 32), (mx.uint32,))
+            expected[name] = ((*rows, columns * how["bits"] // 32), (mx.uint32,))
             for part in ("scales", "biases"):
-                expected[f"{stem}.{part}"] = ((rows, columns[0] // how["group_size"]), floats)
+                expected[f"{stem}.{part}"] = ((*rows, columns // how["group_size"]), floats)
     for name, (shape, dtypes) in expected.items():
         if name not in tensors:
             raise UserError(f"{where} lacks the tensor {name!r}")
@@ -328,7 +342,7 @@ def gpu_working_set():
         return mx.device_info().get("max_recommended_working_set_size")
 
 
-def check_memory(needed, available, dtype, working_set=None):
+def check_memory(needed, available, dtype, working_set=None, what=""):
     """Refuse weights larger than the memory, or on a Mac than the GPU's working set, before
     reading gigabytes only to crash or swap. Smaller ones run: the OS can usually make room."""
     if working_set and needed > working_set:
@@ -339,15 +353,22 @@ def check_memory(needed, available, dtype, working_set=None):
     else:
         return
     smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
-    raise UserError(f"the weights need {needed / 1e9:.1f} GB as {name_of(dtype)}, but "
+    raise UserError(f"the weights need {needed / 1e9:.1f} GB as {name_of(dtype)}{what}, but "
                     f"{has}; try {smaller}--quantize 4, or a smaller model")
 
 
 def check_fit(config, layer_shapes, dtype, bits, stored, quantizable):
     """check_memory for the weights of config (this process's share) and its layer_shapes."""
-    needed = weight_bytes(tensor_shapes(config, layer_shapes), dtype, quantizable,
-                          bits or stored.get("bits"), stored.get("group_size", GROUP_SIZE), stored)
-    check_memory(needed, memory_size(), dtype, gpu_working_set())
+    shapes, c = tensor_shapes(config, layer_shapes), config
+    needed = weight_bytes(shapes, dtype, quantizable, bits or stored.get("bits"),
+                          stored.get("group_size", GROUP_SIZE), stored)
+    what = (f" (all {sum(map(math.prod, shapes.values())) / 1e9:.1f} B parameters: a token uses "
+            f"{c.num_experts_per_tok} of a block's {c.num_experts} experts, but any may be next)"
+            if hasattr(c, "num_experts") else "")
+    check_memory(needed, memory_size(), dtype, gpu_working_set(), what)
+    if what and dtype != mx.float32 and not (bits or stored) and mx.default_device() == mx.cpu:
+        raise UserError(f"MLX's CPU multiplies unquantized experts (mx.gather_mm) in float32 only, "
+                        f"not {name_of(dtype)}: use --dtype float32 or --quantize")
 
 
 def wire_weights(weights):

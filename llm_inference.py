@@ -433,6 +433,7 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 #   16. quantization      load_tensor, linear, embed      --quantize, or a folder stored quantized
 #   17. sampling          sample                          --min-p or --presence-penalty
 #   20. several machines  load_tensor, attention, swiglu  under mlx.launch
+#   21. experts           layer_shapes, load_tensor, swiglu   a qwen3_moe model
 
 def replace(**functions):
     """From now on, calls by these names (Part 1's functions) run the functions given. A misspelt
@@ -562,8 +563,8 @@ class Quantized(NamedTuple):
 
 
 def quantizable(shape, group_size=GROUP_SIZE):
-    """Matrices whose rows split into whole groups (all of Qwen3's); mlx-lm leaves others as is."""
-    return len(shape) == 2 and shape[1] % group_size == 0
+    """Matrices, or stacks of them, whose rows split into whole groups; mlx-lm leaves others."""
+    return len(shape) >= 2 and shape[-1] % group_size == 0
 
 
 def quantize(weight, bits, dtype):
@@ -856,19 +857,22 @@ SPLIT_COLUMNS = ("o_proj", "down_proj")  # in channels: the same heads and units
 
 
 def split_config(config, n):
-    """The model as one of n processes runs it: 1/n of the heads and of the feed-forward."""
-    return config._replace(num_attention_heads=config.num_attention_heads // n,
-                           num_key_value_heads=config.num_key_value_heads // n,
-                           intermediate_size=config.intermediate_size // n)
+    """The model as one of n processes runs it: 1/n of the heads and of the feed-forward (of each
+    expert's too, section 21)."""
+    split = ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+             "moe_intermediate_size")
+    return config._replace(**{name: getattr(config, name) // n for name in split
+                              if hasattr(config, name)})
 
 
 def can_split(config, n, group_size=None):
     """Whether the heads and the feed-forward divide by n, and, quantized, whether each process's
     columns of o_proj and down_proj hold whole groups (a group's scale cannot be split)."""
     c = config  # (query heads are a multiple of key/value heads: whole groups split too)
-    if c.num_key_value_heads % n or c.intermediate_size % n:
+    units = {c.intermediate_size, getattr(c, "moe_intermediate_size", c.intermediate_size)}
+    if c.num_key_value_heads % n or any(u % n for u in units):
         return False
-    columns = (c.num_attention_heads * c.head_dim // n, c.intermediate_size // n)
+    columns = (c.num_attention_heads * c.head_dim // n, *(u // n for u in units))
     return not group_size or all(x % group_size == 0 for x in columns)
 
 
@@ -881,7 +885,7 @@ def use_tensor_parallelism(group):
 
     def load_share(tensors, name, dtype):
         weight, kind = load_whole(tensors, name, dtype), name.split(".")[-2]
-        axis = 0 if kind in SPLIT_ROWS else 1 if kind in SPLIT_COLUMNS else None
+        axis = -2 if kind in SPLIT_ROWS else -1 if kind in SPLIT_COLUMNS else None  # stacks too
         if axis is None:
             return weight
         # A contiguous copy of the share: a slice alone would keep the whole matrix alive.
@@ -897,6 +901,119 @@ def use_tensor_parallelism(group):
     replace(load_tensor=load_share, attention=summed(attention), swiglu=summed(swiglu))
 
 
+# --- 21. Mixture of experts: each token through 8 of 128 feed-forwards (Qwen3-30B-A3B) -----------
+#
+# Qwen3-30B-A3B's blocks trade the SwiGLU (section 7) for 128 smaller ones, "experts" of 768 units,
+# and a router, a (128, 2048) matrix: softmax(x @ router.T) gives each expert a probability for
+# each token. A token goes through its 8 likeliest experts, whose outputs are added up, weighted by
+# those probabilities (rescaled to add up to 1 if norm_topk_prob). So a token reads the bytes of
+# 3.3 B parameters, a small model's; yet the next may pick any expert: all 30.5 B stay in memory.
+# Fast in MLX: each projection's experts stacked, (128, 768, 2048) for gate_proj, and mx.gather_mm
+# multiplying each token by the experts its indices pick, in one operation; in a long prompt,
+# sorted by expert, tokens meet each expert's matrix together. Blocks in mlp_only_layers, or off
+# every decoder_sparse_step-th, keep a dense SwiGLU.
+
+MOE_FIELDS = {  # what config.json adds for a mixture of experts (Qwen3-30B-A3B's values)
+    "num_experts": int,  # 128 experts in a block ...
+    "num_experts_per_tok": int,  # ... of which the router picks 8 for each token
+    "moe_intermediate_size": int,  # 768 units in each
+    "norm_topk_prob": bool,  # true: the 8 picks' probabilities rescaled to add up to 1
+    "decoder_sparse_step": int,  # 1: every block has experts; 2: every second one; ...
+    "mlp_only_layers": tuple,  # []: blocks that keep a dense SwiGLU
+}
+MoEConfig = NamedTuple("MoEConfig", [*Config.__annotations__.items(), *MOE_FIELDS.items()])
+MODEL_TYPES = {"qwen3": Config.__annotations__, "qwen3_moe": MoEConfig.__annotations__}
+
+
+def with_experts(config, model_dir):
+    """config, or for a model_type "qwen3_moe", a MoEConfig: config and MOE_FIELDS' values."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    values = [kind(raw[name]) for name, kind in MOE_FIELDS.items() if raw["model_type"] != "qwen3"]
+    return MoEConfig(*config, *values) if values else config
+
+
+def has_experts(config, i):
+    return i not in config.mlp_only_layers and (i + 1) % config.decoder_sparse_step == 0
+
+
+def block_shapes(c):
+    """Each block's tensors, for cli.py's checks: layer_shapes(c), but a block with experts
+    stores a router and each expert's SwiGLU in place of its own."""
+    if not isinstance(c, MoEConfig):
+        return layer_shapes(c)
+    moe = c._replace(intermediate_size=c.moe_intermediate_size)  # an expert's SwiGLU
+    dense, one = layer_shapes(c), layer_shapes(moe)
+    experts = {name: shape for name, shape in dense.items() if not name.startswith("mlp.")}
+    experts["mlp.gate.weight"] = (c.num_experts, c.hidden_size)  # the router: (128, 2048)
+    experts |= {f"mlp.experts.{e}.{name[4:]}": shape for e in range(c.num_experts)  # (768, 2048)
+                for name, shape in one.items() if name.startswith("mlp.")}
+    return [experts if has_experts(c, i) else dense for i in range(c.num_hidden_layers)]
+
+
+def route(x, router, k, norm_topk_prob):
+    """x (seq, 2048) -> the k experts each token goes to (seq, 8), and their weights (seq, 8).
+    Softmax keeps the order of the scores, so the 8 likeliest experts are the 8 best-scored; and
+    their probabilities rescaled to add up to 1 are the softmax of their 8 scores alone."""
+    scores = linear(x, router)  # (seq, 128)
+    chosen = mx.argpartition(scores, -k, axis=-1)[:, -k:]  # the 8 best, in no order
+    if norm_topk_prob:  # precise: the softmax in float32
+        return chosen, mx.softmax(mx.take_along_axis(scores, chosen, axis=-1), -1, precise=True)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return chosen, mx.take_along_axis(probs, chosen, axis=-1)
+
+
+def mixture(x, layer, k, norm_topk_prob):
+    """swiglu() with experts: x (seq, 2048) -> each token's experts' SwiGLUs, weighted, summed."""
+    chosen, weights = route(x, layer["gate"], k, norm_topk_prob)  # (seq, 8)
+    x = x[:, None, None, :]  # (seq, 1, 1, 2048): a row for each token, shared by its 8 experts
+    by_expert = chosen.size >= 64  # a prompt: its (token, expert) pairs sorted by expert, as in
+    # mlx-lm (2048 tokens on an H200: 46 ms rather than 466, docs/performance.md)
+    if by_expert:
+        order = mx.argsort(chosen.flatten())  # (seq x 8,)
+        x, chosen = x[order // k, 0], chosen.flatten()[order]  # (seq x 8, 1, 2048), (seq x 8,)
+
+    def product(x, w):  # linear() with each token's experts: (..., 1, in) -> (..., 1, out)
+        if isinstance(w, Quantized):
+            return mx.gather_qmm(x, *w[:3], rhs_indices=chosen, transpose=True, bits=w.bits,
+                                 group_size=w.group_size, sorted_indices=by_expert)
+        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=chosen, sorted_indices=by_expert)
+
+    gate, up = product(x, layer["gate_proj"]), product(x, layer["up_proj"])  # (seq, 8, 1, 768)
+    y = product(silu_gate(gate, up), layer["down_proj"])  # (seq, 8, 1, 2048)
+    if by_expert:  # back in token order
+        y = y[mx.argsort(order)].reshape(-1, k, 1, y.shape[-1])
+    return (weights[:, None, :] @ y[:, :, 0])[:, 0]  # (seq, 1, 8) @ (seq, 8, 2048): weighted sum
+
+
+def use_experts(config, bits=None):
+    """Replaces layer_shapes (a block gains the router, "gate": None in a dense block), load_tensor
+    (it stacks a block's experts as it reads them) and swiglu, for a MoEConfig. bits: --quantize;
+    the routers are quantized to 8 bits, as mlx_lm.convert does."""
+    shapes, load_one, dense = layer_shapes, load_tensor, swiglu
+
+    def load_stacked(tensors, name, dtype):
+        *block, kind, _ = name.split(".")  # model, layers, {i}, mlp; gate_proj; weight
+        if block[3:] != ["mlp"] or not has_experts(config, int(block[2])):
+            return None if kind == "gate" else load_one(tensors, name, dtype)
+        block = ".".join(block)
+        if kind == "gate" and bits and f"{block}.gate.scales" not in tensors:  # the router
+            router = quantize(tensors.pop(name), 8, dtype)
+            mx.eval(router)
+            return router
+        stacked = f"{block}.switch_mlp.{kind}.weight"  # as mlx_lm.convert's folders hold them
+        if kind != "gate" and stacked not in tensors:  # Hugging Face's: a tensor per expert
+            tensors[stacked] = mx.stack([tensors.pop(f"{block}.experts.{e}.{kind}.weight")
+                                         for e in range(config.num_experts)])  # (128, 768, 2048)
+        # Read into the stack as load_one computes it: the peak holds one projection's experts
+        # of one block twice, not the model.
+        return load_one(tensors, name if kind == "gate" else stacked, dtype)
+
+    router = lambda c: shapes(c) | {"mlp.gate.weight": (config.num_experts, c.hidden_size)}
+    either = lambda x, layer: dense(x, layer) if layer["gate"] is None else mixture(
+        x, layer, config.num_experts_per_tok, config.norm_topk_prob)
+    replace(layer_shapes=router, load_tensor=load_stacked, swiglu=either)
+
+
 # ================================================================================================
 # MAIN: the wiring of `python llm_inference.py` (the program around it is in cli.py)
 # ================================================================================================
@@ -907,7 +1024,7 @@ def main(argv=None):
         cli.join(group)  # process 0 reads the input for all, and prints
     args = cli.parse_args(argv)
     prompt = cli.read_prompt(args, group)  # None: a chat, its messages read as they come
-    fields = Config.__annotations__
+    fields = MODEL_TYPES  # config.json's fields: Config's, and MoEConfig's (section 21)
     model_dir = cli.find_model(args.model, not args.no_download, fields)  # downloaded if need be
     if args.chat:
         cli.check_chat_template(model_dir)
@@ -915,12 +1032,12 @@ def main(argv=None):
 
     # Load (section 1), after checking what the loaders assume: a broken file is one line.
     stored = cli.check_config(model_dir, fields, args.quantize)  # a checkpoint stored quantized
-    config = load_config(model_dir)
-    config = cli.check_weights(model_dir, config, stored, layer_shapes(config))  # may untie
+    config = with_experts(load_config(model_dir), model_dir)  # a MoEConfig for experts (21)
+    config = cli.check_weights(model_dir, config, stored, block_shapes(config))  # may untie
     n = group.size()
     cli.check_split(model_dir, config, n, args.quantize, stored, can_split)
     shares = split_config(config, n)  # this process's 1/n of the heads and the feed-forward
-    cli.check_fit(shares, layer_shapes(shares), dtype, args.quantize, stored, quantizable)
+    cli.check_fit(shares, block_shapes(shares), dtype, args.quantize, stored, quantizable)
     with cli.reading(model_dir / "tokenizer.json"):
         tokenizer = load_tokenizer(model_dir)
     cli.check_tokenizer(tokenizer, config, model_dir)
@@ -931,6 +1048,8 @@ def main(argv=None):
     # Part 2's replacements, all of them: from here on, Part 1's calls run these.
     if args.quantize or stored:
         use_quantization(args.quantize, stored)  # section 16: load_tensor, linear, embed
+    if isinstance(config, MoEConfig):  # before section 20, which splits what it loads and sums
+        use_experts(config, args.quantize)  # section 21: layer_shapes, load_tensor, swiglu
     if n > 1:  # after section 16: each process keeps its share of what that load_tensor makes
         use_tensor_parallelism(group)  # section 20: load_tensor, attention, swiglu
     if not args.reference_ops:

@@ -577,10 +577,10 @@ def test_config_not_qwen3(tiny_model, variant, tmp_path):
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "not a Qwen3 config", "'llama'")
 
 
-def test_config_mixture_of_experts(tiny_model, variant, tmp_path):
+def test_config_mixture_of_experts_without_its_fields(tiny_model, variant, tmp_path):
     folder = variant(config_json=tiny_config(tiny_model) | {"model_type": "qwen3_moe", "num_experts": 8})
-    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "mixture-of-experts", "'qwen3_moe'",
-                          "does not implement")
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "lacks the required key",
+                          "'num_experts_per_tok'")
 
 
 # The end of Qwen3-2507's templates, which have no enable_thinking switch: Instruct never thinks, Thinking
@@ -1450,11 +1450,11 @@ def test_repo_id_not_found(app, tiny_model):
     assert leftovers(app) == []
 
 
-def test_repo_id_of_a_moe_model_is_refused_before_its_weights(app, tiny_model, variant):
+def test_repo_id_of_a_bad_moe_config_is_refused_before_its_weights(app, tiny_model, variant):
     folder = variant(config_json=tiny_config(tiny_model) | {"model_type": "qwen3_moe"})
     with FakeHub(folder, repo=REPO) as hub:
         result = run_cli("--model", REPO, cwd=app, script=app / SCRIPT.name, **online(hub))
-    assert_one_line_error(result, 1, f"{REPO}/config.json describes a mixture-of-experts model")
+    assert_one_line_error(result, 1, f"{REPO}/config.json lacks the required key 'num_experts'")
     assert ("GET", f"/{REPO}/resolve/{hub.COMMIT}/config.json") in hub.requests
     assert not any(path.endswith(".safetensors") for _, path in hub.requests)
     assert leftovers(app) == []

@@ -43,7 +43,8 @@ import pytest
 
 import cli
 import llm_inference as li
-from tests.checkpoint import TINY_CONFIG, write_checkpoint, load_model, weight_bytes
+from tests.checkpoint import (TINY_CONFIG, TINY_MOE_CONFIG, write_checkpoint, load_model,
+                              weight_bytes)
 from tests.test_cli import SCRIPT, cli_env
 
 PROMPT = "The capital of France is"
@@ -63,6 +64,7 @@ CASES = {  # name: (command line, with {tiny} {wide} {stored} for the folders; p
                          % PROMPT, ""),  # each process's own seed, unless process 0's is shared
     "trace": ("--model {tiny} --prompt '%s' --trace" % PROMPT, ""),
     "chat": ("--model {tiny} --chat --seed 3 --max-tokens 8", CHAT_INPUT),
+    "experts": ("--model {moe} --prompt '%s' --max-tokens 10 --top-probs 5" % PROMPT, ""),
 }
 RING_LOST = ("llm_inference.py: error: another process stopped ([ring] connection to a peer was "
              "lost); ending")
@@ -171,12 +173,13 @@ if n > 1:
     package = types.ModuleType("mlx_lm")
     package.__path__ = list(found.submodule_search_locations)
     sys.modules["mlx_lm"] = package
-    from mlx_lm.models import qwen3
+    from mlx_lm.models import qwen3, qwen3_moe
 
     def mlx_lm_model(folder, stored):
         """What mlx_lm.utils.load_model does for a Qwen3 folder (affine quantization only)."""
         config = json.loads((folder / "config.json").read_text())
-        model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+        kind = {"qwen3": qwen3, "qwen3_moe": qwen3_moe}[config["model_type"]]
+        model = kind.Model(kind.ModelArgs.from_dict(config))
         weights = model.sanitize(dict(stored))
         if "quantization" in config:
             how = config["quantization"]
@@ -211,9 +214,12 @@ if n > 1:
         for short, axis in SPLIT.items():
             w = weights["layers"][0][short]
             held = w.packed if isinstance(w, li.Quantized) else w
-            whole = next(t for name, t in stored.items() if name.startswith("model.layers.0.")
-                         and name.endswith(f".{short}.weight"))
-            part = mx.split(whole, n, axis=axis)[rank]
+            expert = f"model.layers.0.mlp.experts.{{}}.{short}.weight"  # section 21: stacked
+            experts = [stored[expert.format(e)] for e in range(64) if expert.format(e) in stored]
+            whole = mx.stack(experts) if experts else next(
+                t for name, t in stored.items() if name.startswith("model.layers.0.")
+                and name.endswith(f".{short}.weight"))
+            part = mx.split(whole, n, axis=axis - 2)[rank]  # rows -2, columns -1: stacks too
             shares[short] = [list(held.shape), list(whole.shape),
                              held.shape == part.shape and mx.array_equal(held, part).item()]
         head = weights["lm_head"]
@@ -322,9 +328,10 @@ def own_lines(err):
 # ------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def folders(tiny_model, tmp_path_factory):
+def folders(tiny_model, checkpoints, tmp_path_factory):
     """tiny: GQA (4 query heads, 2 key/value heads), tied head. wide: untied, quantizable.
-    stored: wide stored in 4 bits by mlx-lm's converter."""
+    stored: wide stored in 4 bits by mlx-lm's converter. moe: a mixture of experts (section 21),
+    in tests/test_moe.py's folder."""
     from mlx_lm.utils import load_model, quantize_model, save_model, save_config
 
     wide = write_checkpoint(tmp_path_factory.mktemp("wide") / "wide", WIDE_CONFIG, seed=2)
@@ -337,7 +344,8 @@ def folders(tiny_model, tmp_path_factory):
     save_config(config, config_path=stored / "config.json")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(wide / name, stored)
-    return {"tiny": tiny_model, "wide": wide, "stored": stored}
+    moe = checkpoints(TINY_MOE_CONFIG, seed=3, name="8-experts-top-2")
+    return {"tiny": tiny_model, "wide": wide, "stored": stored, "moe": moe}
 
 
 @pytest.fixture(scope="module")
@@ -467,7 +475,7 @@ def test_each_process_holds_its_own_share(runs, folders):
                 if short == "lm_head":
                     assert held == whole, (folder.name, rank)
                     continue
-                axis = 0 if short in li.SPLIT_ROWS else 1
+                axis = -2 if short in li.SPLIT_ROWS else -1  # of a matrix, or of stacked experts
                 assert held[axis] * 2 == whole[axis] and exact, (folder.name, rank, short)
 
 
