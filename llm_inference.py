@@ -904,14 +904,14 @@ def use_tensor_parallelism(group):
 # --- 21. Mixture of experts: each token through 8 of 128 feed-forwards (Qwen3-30B-A3B) -----------
 #
 # Qwen3-30B-A3B's blocks trade the SwiGLU (section 7) for 128 smaller ones, "experts" of 768 units,
-# and a router, a (128, 2048) matrix: softmax(x @ router.T) gives each expert a probability for
-# each token. A token goes through its 8 likeliest experts, whose outputs are added up, weighted by
-# those probabilities (rescaled to add up to 1 if norm_topk_prob). So a token reads the bytes of
-# 3.3 B parameters, a small model's; yet the next may pick any expert: all 30.5 B stay in memory.
-# Fast in MLX: each projection's experts stacked, (128, 768, 2048) for gate_proj, and mx.gather_mm
-# multiplying each token by the experts its indices pick, in one operation; in a long prompt,
-# sorted by expert, tokens meet each expert's matrix together. Blocks in mlp_only_layers, or off
-# every decoder_sparse_step-th, keep a dense SwiGLU.
+# and a router, a (128, 2048) matrix. softmax(x @ router.T) gives each expert a probability for each
+# token. A token goes through its 8 likeliest experts, and their outputs are added up, weighted by
+# those probabilities (rescaled to add up to 1 if norm_topk_prob). So a token reads the bytes of 3.3
+# B parameters, a small model's. But the next token may pick any expert, so all 30.5 B stay in
+# memory. To be fast in MLX, each projection's experts are stacked, (128, 768, 2048) for gate_proj,
+# and mx.gather_mm multiplies each token by the experts it picked, in one operation. In a long
+# prompt, tokens are sorted by expert, so each expert's matrix meets its tokens together. Blocks in
+# mlp_only_layers, or off every decoder_sparse_step-th, keep a dense SwiGLU.
 
 MOE_FIELDS = {  # what config.json adds for a mixture of experts (Qwen3-30B-A3B's values)
     "num_experts": int,  # 128 experts in a block ...
@@ -966,8 +966,8 @@ def mixture(x, layer, k, norm_topk_prob):
     """swiglu() with experts: x (seq, 2048) -> each token's experts' SwiGLUs, weighted, summed."""
     chosen, weights = route(x, layer["gate"], k, norm_topk_prob)  # (seq, 8)
     x = x[:, None, None, :]  # (seq, 1, 1, 2048): a row for each token, shared by its 8 experts
-    by_expert = chosen.size >= 64  # a prompt: its (token, expert) pairs sorted by expert, as in
-    # mlx-lm (2048 tokens on an H200: 46 ms rather than 466, docs/performance.md)
+    by_expert = chosen.size >= 64  # a prompt: its (token, expert) pairs sorted by expert, as
+    # mlx-lm does, which docs/performance.md measures
     if by_expert:
         order = mx.argsort(chosen.flatten())  # (seq x 8,)
         x, chosen = x[order // k, 0], chosen.flatten()[order]  # (seq x 8, 1, 2048), (seq x 8,)
