@@ -33,6 +33,7 @@ import pytest
 import cli
 import llm_inference as li
 from tests.checkpoint import TINY_CONFIG, load_model, weight_bytes
+from tests.test_model import pieces_of
 
 SCRIPT = Path(li.__file__).resolve()
 PROGRAM = (SCRIPT, Path(cli.__file__).resolve())  # the script and its companion module
@@ -1913,7 +1914,7 @@ def test_a_long_prefill_shows_its_progress_on_stderr_only(tiny_model, reference,
     """main() passes cli.PREFILL.show to generate_long: once a prefill has taken PROGRESS_AFTER
     seconds (patched to 0 here), its progress goes to stderr, and stdout is the same. With the
     default 2 seconds, a prefill as short as this one prints no progress line."""
-    monkeypatch.setattr(li, "PREFILL_CHUNK", 4)
+    pieces_of(monkeypatch, 4)
     n_prompt = len(reference.ids(LONG_PROMPT))  # 19: pieces of 4 tokens up to 16, then 3
     args = ["--model", str(tiny_model), "--prompt", LONG_PROMPT, "--max-tokens", "8"]
     assert li.main(args) == 0
@@ -1926,9 +1927,9 @@ def test_a_long_prefill_shows_its_progress_on_stderr_only(tiny_model, reference,
     lines = shown.err.split("\n")
     progress = [PROGRESS.fullmatch(line) for line in lines if "prefill" in line]
     assert progress and all(progress), shown.err
-    assert progress[0].group(1, 2) == ("4", str(n_prompt))  # the first piece's, then 1 a second
-    done = [int(m[1]) for m in progress]
-    assert done == sorted(set(done)) and all(d % 4 == 0 and d < n_prompt for d in done)
+    assert progress[0].group(1, 2) == ("2", str(n_prompt))  # the first layer's, then 1 a second
+    done = [int(m[1]) for m in progress]  # 2 layers: half a piece each
+    assert done == sorted(set(done)) and all(d % 2 == 0 and d < n_prompt for d in done)
     assert all(int(m[2]) == n_prompt and int(m[3]) > 0 for m in progress)
     # Before the statistics line, and otherwise the same lines on stderr.
     rest = [line for line in lines if "prefill" not in line]
@@ -1967,14 +1968,17 @@ def check_rates(err, seen, untimed):
         (prefill_s, decode_s, seen["wall"])
 
 
+SLOW_LINE = 0.25  # seconds to write a progress line, in slow_progress_terminal
+
+
 def slow_progress_terminal(monkeypatch):
-    """stderr as a terminal where each progress line takes 0.5 s to write, with a progress line
-    for every 4-token piece of a prefill; returns the terminal."""
-    monkeypatch.setattr(li, "PREFILL_CHUNK", 4)
+    """stderr as a terminal where each progress line takes SLOW_LINE s to write, with a progress
+    line for each layer of every 4-token piece of a prefill; returns the terminal."""
+    pieces_of(monkeypatch, 4)
     monkeypatch.setattr(cli.Prefill, "PROGRESS_AFTER", 0)
     terminal = Terminal()
     write = terminal.write
-    terminal.write = lambda text: (time.sleep(0.5) if "prefill:" in text else None, write(text))[1]
+    terminal.write = lambda text: (time.sleep(SLOW_LINE) if "prefill:" in text else None, write(text))[1]
     monkeypatch.setattr(sys, "stderr", terminal)
     return terminal
 
@@ -1985,7 +1989,7 @@ def progress_lines(err):
 
 
 def test_the_prefill_rate_leaves_out_the_time_progress_takes(tiny_model, monkeypatch, capsys):
-    """Each progress line takes 0.5 s to write here (a terminal: every piece writes one): the
+    """Each progress line takes SLOW_LINE s to write here (a terminal: every layer writes one): the
     statistics' prefill rate, and the later progress lines' rates, are those of the computation
     alone."""
     terminal = slow_progress_terminal(monkeypatch)
@@ -1993,8 +1997,8 @@ def test_the_prefill_rate_leaves_out_the_time_progress_takes(tiny_model, monkeyp
     assert li.main(["--model", str(tiny_model), "--prompt", LONG_PROMPT, "--max-tokens", "4"]) == 0
     err = terminal.getvalue()
     progress = progress_lines(err)
-    assert len(progress) >= 3 and all(progress), err  # one per piece
-    check_rates(err, seen, 0.5 * len(progress))
+    assert len(progress) >= 3 and all(progress), err  # one per layer
+    check_rates(err, seen, SLOW_LINE * len(progress))
     prefill_s = seen["result"][1]
     for m in progress[1:]:  # not slowed by the lines before: at least done / the whole prefill
         assert int(m[3]) >= int(m[1]) / prefill_s - 1, (m[0], prefill_s)
@@ -2002,7 +2006,7 @@ def test_the_prefill_rate_leaves_out_the_time_progress_takes(tiny_model, monkeyp
 
 def test_a_chat_shows_prefill_progress_and_its_rate_leaves_it_out(tiny_model, monkeypatch):
     """chat_loop passes cli.PREFILL.show to each reply: progress on stderr (a terminal here, each
-    line taking 0.5 s to write), and the turn's prefill rate without that time."""
+    line taking SLOW_LINE s to write), and the turn's prefill rate without that time."""
     terminal = slow_progress_terminal(monkeypatch)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Name a city in France.\n")))
     seen = timed_stream(monkeypatch)
@@ -2015,7 +2019,7 @@ def test_a_chat_shows_prefill_progress_and_its_rate_leaves_it_out(tiny_model, mo
     assert turn and int(turn[1]) == int(progress[0][2]), err
     _, prefill_s, decode_s = seen["result"]
     assert turn[2] == f"{int(turn[1]) / prefill_s:.1f}"
-    assert prefill_s + decode_s <= seen["wall"] - 0.5 * len(progress), (prefill_s, seen["wall"])
+    assert prefill_s + decode_s <= seen["wall"] - SLOW_LINE * len(progress), (prefill_s, seen["wall"])
 
 
 def test_the_decode_rate_leaves_out_the_top_probs_table(tiny_model, monkeypatch, capsys):

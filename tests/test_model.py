@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+import types
 
 import mlx.core as mx
 import numpy as np
@@ -134,6 +135,13 @@ def test_cached_decoding_equals_recomputing(checkpoint, fused):
     assert all(c.offset == 270 and c.keys.shape[-2] == 2 * li.KVCache.GROWTH for c in cache)
 
 
+def pieces_of(monkeypatch, n):
+    """Prefill pieces of n tokens, however long a layer takes (section 14 sizes them by time)."""
+    monkeypatch.setattr(li, "PREFILL_CHUNK", n)
+    monkeypatch.setattr(li, "LAYER_SECONDS", 10**6)
+    monkeypatch.setattr(li, "layer_tokens", 10**9)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_chunked_prefill_gives_the_same_tokens(checkpoint, monkeypatch, fused):
     folder, config, weights, _ = checkpoint
@@ -142,7 +150,9 @@ def test_chunked_prefill_gives_the_same_tokens(checkpoint, monkeypatch, fused):
         whole = tokens(li.generate(prompt, weights, config, max_tokens=10))
         # one piece
         assert tokens(li.generate_long(prompt, weights, config, max_tokens=10)) == whole
-        monkeypatch.setattr(li, "PREFILL_CHUNK", 16)  # 50 = 16 + 16 + 16 + 2
+        pieces_of(monkeypatch, 16)  # 50 = 16 + 16 + 16 + 2
+        assert tokens(li.generate_long(prompt, weights, config, max_tokens=10)) == whole
+        monkeypatch.setattr(li, "LAYER_SECONDS", 0)  # then pieces of one token, as on a slow device
         assert tokens(li.generate_long(prompt, weights, config, max_tokens=10)) == whole
 
 
@@ -460,26 +470,26 @@ def test_stored_head_differs_only_for_a_different_matrix(checkpoints, head, diff
 
 
 @pytest.mark.parametrize("length, calls", [
-    (50, [16, 32, 48]),  # pieces of 16: 16 + 16 + 16 + 2
-    (32, [16]),  # the last piece, 16 tokens, goes to generate()
-    (17, [16]),
+    (50, [8, 16, 24, 32, 40, 48]),  # pieces of 16 (8 tokens a layer): 16 + 16 + 16 + 2
+    (32, [8, 16]),  # the last piece, 16 tokens, goes to generate()
+    (17, [8, 16]),
     (16, []),  # one piece: nothing to report
     (1, []),
 ], ids=["50", "32", "17", "16", "1"])
-def test_generate_long_reports_its_progress_after_each_piece(tiny, monkeypatch, length, calls):
-    """progress(done, total) after each piece that goes through the model before the last: done
-    counts the prompt's tokens now in the cache (the piece has run), total the prompt's; with
-    PREFILL_CHUNK 1024, (1024, total), (2048, total), ... Never for a prompt of one piece, and
-    always before the first token. The tokens are generate()'s."""
+def test_generate_long_reports_its_progress_after_each_layer(tiny, monkeypatch, length, calls):
+    """progress(done, total) after each layer of each piece that goes through the model before
+    the last: done counts the piece's tokens in proportion to the layers it has been through (2
+    here), total the prompt's. Never for a prompt of one piece, and always before the first token.
+    The tokens are generate()'s."""
     config = li.load_config(tiny)
     weights = li.load_weights(tiny, config, mx.float32)
-    monkeypatch.setattr(li, "PREFILL_CHUNK", 16)  # 1024 would take seconds of CPU here
+    pieces_of(monkeypatch, 16)  # 1024 would take seconds of CPU here
     prompt = mx.random.randint(0, config.vocab_size, (length,), key=mx.random.key(8)).tolist()
     whole = tokens(li.generate(prompt, weights, config, max_tokens=5))
     cache, events = li.make_cache(config), []
 
     def progress(done, total):
-        events.append((done, total, [c.offset for c in cache]))
+        events.append((done, total))
 
     generated = []
     for token_id, _ in li.generate_long(prompt, weights, config, 5, cache=cache, progress=progress):
@@ -487,7 +497,37 @@ def test_generate_long_reports_its_progress_after_each_piece(tiny, monkeypatch, 
         events.append("token")
     assert generated == whole
     reported = [event for event in events if event != "token"]
-    assert [(done, total) for done, total, _ in reported] == [(done, length) for done in calls]
+    assert reported == [(done, length) for done in calls]
     assert events[:len(reported)] == reported  # all of them before the first token
-    for done, _, offsets in reported:
-        assert offsets == [done] * config.num_hidden_layers  # the piece is in the cache
+
+
+def test_a_prefill_runs_a_layer_per_eval_in_pieces_sized_by_time(tiny, monkeypatch):
+    """Issue 32: Ctrl-C waited for a whole 1024-token piece (27.5 s on a CPU), since Python acts on
+    it only between mx.eval() calls. Now each mx.eval() of a prefill runs one layer of a piece (its
+    keys and values, in order), and each piece holds the tokens a layer ran in LAYER_SECONDS in
+    the piece before: here, on a clock set by hand, a layer takes 0.4 s whatever its size, so the
+    sizes halve from the first guess of 8 tokens. generate() gets at most what a layer runs in
+    LAYER_SECONDS (at least a token), and the count carries over to the next prefill."""
+    config = li.load_config(tiny)
+    weights = li.load_weights(tiny, config, mx.float32)
+    clock, evals, cache, evaluate = [0.0], [], li.make_cache(config), mx.eval
+
+    def one_layer(*arrays):  # which layers' keys and values this eval runs; it takes 0.4 s
+        evals.append([(i, name) for a in arrays for i, c in enumerate(cache)
+                      for name in ("keys", "values") if getattr(c, name) is a])
+        clock[0] += 0.4
+        evaluate(*arrays)
+
+    monkeypatch.setattr(mx, "eval", one_layer)
+    monkeypatch.setattr(li, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(li, "layer_tokens", 8)
+    assert li.LAYER_SECONDS == 0.2
+    prompt = mx.random.randint(0, config.vocab_size, (20,), key=mx.random.key(9)).tolist()
+    pieces = []
+    generated = tokens(li.generate_long(prompt, weights, config, 3, cache=cache, progress=lambda
+                                        done, total: pieces.append(done)))
+    assert generated == tokens(li.generate(prompt, weights, config, 3))
+    # After each layer: 8 tokens in 2 layers (4, 8), then 4 (10, 12), 2 (13, 14), then 1 each.
+    assert pieces == [4, 8, 10, 12, 13, 14, 14, 15, 15, 16, 16, 17, 17, 18, 18, 19]
+    assert evals == [[(0, "keys"), (0, "values")], [(1, "keys"), (1, "values")]] * 8
+    assert li.layer_tokens == 1  # for the next prefill
