@@ -1,6 +1,8 @@
 """The whole model against mlx-lm on the same checkpoint, the KV cache against recomputation, and sampling."""
 
+import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -307,7 +309,8 @@ def test_weight_bytes_counts_every_tensor_once(checkpoint):
 
 def test_memory_check_refuses_only_what_does_not_fit():
     cli.check_memory(8 * 10**9, 8 * 10**9, mx.bfloat16)  # exactly fits: runs
-    with pytest.raises(cli.UserError, match=r"need 8\.0 GB as bfloat16, but this machine has 7\.9 GB of memory; "
+    with pytest.raises(cli.UserError, match=r"need 8\.0 GB as bfloat16, but this machine has "
+                                           r"7\.9 GB of memory available; "
                                            r"try --quantize 4, or a smaller model"):
         cli.check_memory(8 * 10**9, 7.9e9, mx.bfloat16)
     with pytest.raises(cli.UserError, match=r"16\.4 GB as float32.*try --dtype bfloat16 \(half the bytes\), --quantize 4"):
@@ -335,10 +338,43 @@ def test_memory_size_is_this_machines_memory():
         total = mx.device_info()["total_memory"]
     elif sys.platform == "darwin":  # unified memory: the GPU's is the machine's
         total = int(subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True).stdout)
-    else:
-        with open("/proc/meminfo") as f:  # Linux's own count, in KiB, independent of os.sysconf
-            total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
+    else:  # Linux: the memory available (it changes as other processes run: read around)
+        available = lambda: int(next(line for line in open("/proc/meminfo")
+                                     if line.startswith("MemAvailable:")).split()[1]) * 1024
+        before, size, after = available(), cli.memory_size(), available()
+        assert 0.95 * min(before, after) < size < 1.05 * max(before, after)
+        return
     assert abs(cli.memory_size() - total) < 0.05 * total
+
+
+def test_on_linux_the_memory_check_counts_the_memory_available(tiny, monkeypatch, capsys):
+    """Issue 32: float32 weights of 25.0 GB on a machine of 25.3 GB passed the check, which read
+    the total, and the kernel killed the run (23 GB in, nothing said). The check reads what is
+    available (a /proc/meminfo with 24.0 GB of it here), and warns when what is left is less than
+    a 4,096-token KV cache needs."""
+    total, meminfo = 25.3e9, "MemTotal:  24707031 kB\nMemAvailable:  23437500 kB\n"
+    monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)  # a Linux machine without a GPU
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PHYS_PAGES": total / 4096,
+                                                     "SC_PAGE_SIZE": 4096}[name])
+    monkeypatch.setattr(cli, "open", lambda path, *args: io.StringIO(meminfo)
+                        if path == "/proc/meminfo" else open(path, *args), raising=False)
+    assert cli.memory_size() == 24.0e9
+    with pytest.raises(cli.UserError, match=r"^the weights need 25\.0 GB as float32, but this "
+                                            r"machine has 24\.0 GB of memory available; try"):
+        cli.check_memory(25.0e9, cli.memory_size(), mx.float32)
+    config = li.load_config(tiny)
+    needed = weight_bytes(config, mx.float32)
+    c = config
+    kv_cache = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4 * 4096  # float32
+    for kib, warned in (((needed + kv_cache + 1023) // 1024, False),
+                        ((needed + kv_cache - 1) // 1024, True)):
+        meminfo = f"MemAvailable: {kib} kB\n"
+        load_model(tiny, mx.float32)  # checks the memory as main() does
+        err = capsys.readouterr().err
+        assert err == ("warning: the weights take 0.0 of the 0.0 GB available, leaving little "
+                       "for the KV cache and activations; if the run is killed, try --dtype "
+                       "bfloat16 (half the bytes), --quantize 4, or a smaller model\n"
+                       if warned else ""), err
 
 
 def test_memory_check_on_a_mac_compares_with_the_gpus_working_set():
