@@ -472,11 +472,12 @@ def compile_model():
 # total) for the whole prompt at once: that bounds the memory of one pass, at some cost in speed
 # (docs/performance.md#against-mlx-lm-the-same-weights).
 #
-# A piece also runs one layer at a time. Python acts on Ctrl-C (KeyboardInterrupt) only between
-# its own steps, never inside an mx.eval(), which MLX computes in one go. So, one layer at a time,
-# Ctrl-C stops a prefill within a fraction of a second, and its progress can be shown as often.
-# On a CPU a layer over 1024 tokens can take seconds: the pieces are smaller there, each piece's
-# time setting the size of the next (docs/performance.md#prefill-ctrl-c-and-progress).
+# Pieces are also what keeps a slow prefill responsive. Python acts on Ctrl-C (KeyboardInterrupt)
+# only between its own steps, never inside an mx.eval(), which MLX computes in one go. So where a
+# prefill is slow (on a CPU, a layer over 1024 tokens can take seconds), the pieces are smaller,
+# each piece's time setting the size of the next, and a piece runs a layer at a time. Ctrl-C then
+# stops a prefill within a fraction of a second, and its progress shows as often
+# (docs/performance.md#prefill-ctrl-c-and-progress).
 PREFILL_CHUNK = 1024  # tokens in a piece, at most
 LAYER_SECONDS = 0.2  # about how long a layer of a piece should take: what Ctrl-C may wait for
 layer_tokens = 8  # tokens a layer runs in LAYER_SECONDS, as the last piece measured; first a guess
@@ -485,8 +486,8 @@ layer_tokens = 8  # tokens a layer runs in LAYER_SECONDS, as the last piece meas
 def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
                   cache=None, progress=None):
     """generate() for a prompt of any length: all but its last piece first go through the model
-    piece by piece, layer by layer, filling the cache. progress(done, total), if given, after each
-    layer: done counts a piece's tokens in proportion to the layers they have gone through."""
+    piece by piece, filling the cache. progress(done, total), if given, after each mx.eval(): done
+    counts a piece's tokens in proportion to the layers they have gone through."""
     global layer_tokens
     cache = make_cache(config) if cache is None else cache
     done, total, n_layers = 0, len(prompt_ids), len(cache)
@@ -495,12 +496,14 @@ def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), 
     while total - done > min(max(layer_tokens // n_layers, 1), PREFILL_CHUNK):
         size, start = min(layer_tokens, PREFILL_CHUNK, total - done - 1), time.perf_counter()
         forward(mx.array(prompt_ids[done : done + size]), weights, config, cache)  # recorded only
-        # Run it a layer at a time: a layer's keys and values need the layers below. Only the
+        # Run it as many layers at a time as run in LAYER_SECONDS: all of them on a fast GPU, where
+        # each mx.eval() costs a wait. A layer's keys and values need the layers below. Only the
         # cache is asked for, so (MLX being lazy) the piece's logits are never computed.
-        for i, layer_cache in enumerate(cache, 1):
-            mx.eval(layer_cache.keys, layer_cache.values)
+        at_once = max(1, min(layer_tokens // size, n_layers))
+        for first in range(0, n_layers, at_once):
+            mx.eval([(c.keys, c.values) for c in cache[first : first + at_once]])
             if progress:  # the command line shows it for a long prompt
-                progress(done + size * i // n_layers, total)
+                progress(done + size * min(first + at_once, n_layers) // n_layers, total)
         done += size
         layer_tokens = tokens_per_layer(size, (time.perf_counter() - start) / n_layers)
     yield from generate(prompt_ids[done:], weights, config, max_tokens, sampling, eos_ids, cache)

@@ -1985,9 +1985,9 @@ def test_a_long_prefill_shows_its_progress_on_stderr_only(tiny_model, reference,
     lines = shown.err.split("\n")
     progress = [PROGRESS.fullmatch(line) for line in lines if "prefill" in line]
     assert progress and all(progress), shown.err
-    assert progress[0].group(1, 2) == ("2", str(n_prompt))  # the first layer's, then 1 a second
-    done = [int(m[1]) for m in progress]  # 2 layers: half a piece each
-    assert done == sorted(set(done)) and all(d % 2 == 0 and d < n_prompt for d in done)
+    assert progress[0].group(1, 2) == ("4", str(n_prompt))  # the first piece's, then 1 a second
+    done = [int(m[1]) for m in progress]
+    assert done == sorted(set(done)) and all(d % 4 == 0 and d < n_prompt for d in done)
     assert all(int(m[2]) == n_prompt and int(m[3]) > 0 for m in progress)
     # Before the statistics line, and otherwise the same lines on stderr.
     rest = [line for line in lines if "prefill" not in line]
@@ -2026,18 +2026,14 @@ def check_rates(err, seen, untimed):
         (prefill_s, decode_s, seen["wall"])
 
 
-SLOW_LINE = 0.25  # seconds to write a progress line, in slow_progress_terminal
-
-
 def slow_progress_terminal(monkeypatch):
-    """stderr as a terminal where each progress line takes SLOW_LINE s to write, with a progress
-    line for each layer of every 4-token piece of a prefill; returns the terminal."""
+    """stderr as a terminal where each progress line takes 0.5 s to write, with a progress line
+    for every 4-token piece of a prefill; returns the terminal."""
     pieces_of(monkeypatch, 4)
     monkeypatch.setattr(cli.Prefill, "PROGRESS_AFTER", 0)
     terminal = Terminal()
     write = terminal.write
-    terminal.write = lambda text: (time.sleep(SLOW_LINE) if "prefill:" in text else None,
-                                   write(text))[1]
+    terminal.write = lambda text: (time.sleep(0.5) if "prefill:" in text else None, write(text))[1]
     monkeypatch.setattr(sys, "stderr", terminal)
     return terminal
 
@@ -2048,7 +2044,7 @@ def progress_lines(err):
 
 
 def test_the_prefill_rate_leaves_out_the_time_progress_takes(tiny_model, monkeypatch, capsys):
-    """Each progress line takes SLOW_LINE s to write here (a terminal: every layer writes one): the
+    """Each progress line takes 0.5 s to write here (a terminal: every piece writes one): the
     statistics' prefill rate, and the later progress lines' rates, are those of the computation
     alone."""
     terminal = slow_progress_terminal(monkeypatch)
@@ -2056,8 +2052,8 @@ def test_the_prefill_rate_leaves_out_the_time_progress_takes(tiny_model, monkeyp
     assert li.main(["--model", str(tiny_model), "--prompt", LONG_PROMPT, "--max-tokens", "4"]) == 0
     err = terminal.getvalue()
     progress = progress_lines(err)
-    assert len(progress) >= 3 and all(progress), err  # one per layer
-    check_rates(err, seen, SLOW_LINE * len(progress))
+    assert len(progress) >= 3 and all(progress), err  # one per piece
+    check_rates(err, seen, 0.5 * len(progress))
     prefill_s = seen["result"][1]
     for m in progress[1:]:  # not slowed by the lines before: at least done / the whole prefill
         assert int(m[3]) >= int(m[1]) / prefill_s - 1, (m[0], prefill_s)
@@ -2065,7 +2061,7 @@ def test_the_prefill_rate_leaves_out_the_time_progress_takes(tiny_model, monkeyp
 
 def test_a_chat_shows_prefill_progress_and_its_rate_leaves_it_out(tiny_model, monkeypatch):
     """chat_loop passes cli.PREFILL.show to each reply: progress on stderr (a terminal here, each
-    line taking SLOW_LINE s to write), and the turn's prefill rate without that time."""
+    line taking 0.5 s to write), and the turn's prefill rate without that time."""
     terminal = slow_progress_terminal(monkeypatch)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Name a city in France.\n")))
     seen = timed_stream(monkeypatch)
@@ -2078,8 +2074,7 @@ def test_a_chat_shows_prefill_progress_and_its_rate_leaves_it_out(tiny_model, mo
     assert turn and int(turn[1]) == int(progress[0][2]), err
     _, prefill_s, decode_s = seen["result"]
     assert turn[2] == f"{int(turn[1]) / prefill_s:.1f}"
-    assert prefill_s + decode_s <= seen["wall"] - SLOW_LINE * len(progress), \
-        (prefill_s, seen["wall"])
+    assert prefill_s + decode_s <= seen["wall"] - 0.5 * len(progress), (prefill_s, seen["wall"])
 
 
 def test_the_decode_rate_leaves_out_the_top_probs_table(tiny_model, monkeypatch, capsys):

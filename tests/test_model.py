@@ -10,6 +10,7 @@ import types
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -506,35 +507,39 @@ def test_stored_head_differs_only_for_a_different_matrix(checkpoints, head, diff
 
 
 @pytest.mark.parametrize("length, calls", [
-    (50, [8, 16, 24, 32, 40, 48]),  # pieces of 16 (8 tokens a layer): 16 + 16 + 16 + 2
-    (32, [8, 16]),  # the last piece, 16 tokens, goes to generate()
-    (17, [8, 16]),
+    (50, [16, 32, 48]),  # pieces of 16: 16 + 16 + 16 + 2
+    (32, [16]),  # the last piece, 16 tokens, goes to generate()
+    (17, [16]),
     (16, []),  # one piece: nothing to report
     (1, []),
 ], ids=["50", "32", "17", "16", "1"])
-def test_generate_long_reports_its_progress_after_each_layer(tiny, monkeypatch, length, calls):
-    """progress(done, total) after each layer of each piece that goes through the model before
-    the last: done counts the piece's tokens in proportion to the layers it has been through (2
-    here), total the prompt's. Never for a prompt of one piece, and always before the first token.
-    The tokens are generate()'s."""
+def test_generate_long_reports_its_progress_after_each_piece(tiny, monkeypatch, length, calls):
+    """progress(done, total) after each piece that goes through the model before the last: done
+    counts the prompt's tokens now in the cache (the piece has run), total the prompt's; with
+    PREFILL_CHUNK 1024, (1024, total), (2048, total), ... Never for a prompt of one piece, and
+    always before the first token. Where a piece runs within LAYER_SECONDS (here: always), it runs
+    in one mx.eval(), all its layers at once. The tokens are generate()'s."""
     config = li.load_config(tiny)
     weights = li.load_weights(tiny, config, mx.float32)
     pieces_of(monkeypatch, 16)  # 1024 would take seconds of CPU here
     prompt = mx.random.randint(0, config.vocab_size, (length,), key=mx.random.key(8)).tolist()
     whole = tokens(li.generate(prompt, weights, config, max_tokens=5))
-    cache, events = li.make_cache(config), []
+    cache, events, evaluate = li.make_cache(config), [], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *arrays: (events.append("eval"), evaluate(*arrays)))
 
     def progress(done, total):
-        events.append((done, total))
+        events.append((done, total, [c.offset for c in cache]))
 
     generated = []
     for token_id, _ in li.generate_long(prompt, weights, config, 5, cache=cache, progress=progress):
         generated.append(token_id)
         events.append("token")
     assert generated == whole
-    reported = [event for event in events if event != "token"]
-    assert reported == [(done, length) for done in calls]
-    assert events[:len(reported)] == reported  # all of them before the first token
+    reported = [event for event in events if isinstance(event, tuple)]
+    assert [(done, total) for done, total, _ in reported] == [(done, length) for done in calls]
+    assert events[:2 * len(reported)] == [e for r in reported for e in ("eval", r)]  # then tokens
+    for done, _, offsets in reported:
+        assert offsets == [done] * config.num_hidden_layers  # the piece is in the cache
 
 
 def test_a_prefill_runs_a_layer_per_eval_in_pieces_sized_by_time(tiny, monkeypatch):
@@ -549,7 +554,7 @@ def test_a_prefill_runs_a_layer_per_eval_in_pieces_sized_by_time(tiny, monkeypat
     clock, evals, cache, evaluate = [0.0], [], li.make_cache(config), mx.eval
 
     def one_layer(*arrays):  # which layers' keys and values this eval runs; it takes 0.4 s
-        evals.append([(i, name) for a in arrays for i, c in enumerate(cache)
+        evals.append([(i, name) for _, a in tree_flatten(arrays) for i, c in enumerate(cache)
                       for name in ("keys", "values") if getattr(c, name) is a])
         clock[0] += 0.4
         evaluate(*arrays)
