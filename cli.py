@@ -326,9 +326,9 @@ def weight_bytes(shapes, dtype, quantizable, bits=None, group_size=GROUP_SIZE, s
 
 
 def memory_size():
-    """What the weights can have: a GPU's memory as MLX reports it (a Mac's unified memory, a CUDA
-    card's); on Linux, the RAM available now (MemAvailable: free, or given back by caches), not
-    all of it, which the kernel kills a process to get back; else all the RAM."""
+    """What the weights may take: a GPU's memory as MLX reports it (a Mac's unified memory, a CUDA
+    card's); on Linux, the RAM available now (MemAvailable), past which the kernel kills; else all
+    the RAM."""
     info = mx.device_info() if mx.default_device() == mx.gpu else {}
     size = info.get("memory_size") or info.get("total_memory")  # Metal's key, CUDA's key
     if size:
