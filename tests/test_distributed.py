@@ -697,8 +697,9 @@ def ctrl_c_under_mlx_launch(script, model, cwd, seconds=60, after=20):
     gives it), then Ctrl-C once the reply streams: SIGINT to its process group, as the terminal
     sends it. Returns what the terminal received, as text (newlines as the terminal writes them,
     \\r\\n), up to when every process on it ended: by itself, or killed `seconds` after the start
-    or `after` seconds after the Ctrl-C (MLX's hang, test_a_process_killed_mid_reply_ends_the_other,
-    which mlx.launch, its output loop ended by the Ctrl-C, would wait for without end)."""
+    or `after` seconds after the Ctrl-C (MLX's hang, told at
+    test_a_process_killed_mid_prefill_ends_the_other, which mlx.launch, its output loop ended by
+    the Ctrl-C, would wait for without end)."""
     master, slave = pty.openpty()
 
     def own_terminal():  # in the child: a new session, the pty its controlling terminal
