@@ -336,10 +336,11 @@ def main():
     ap = cli.ArgumentParser(description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     count = cli.number(int, "count")
-    ap.add_argument("--model", type=cli.model_name,
-                    help="checkpoint folder or Hugging Face repo id (default: ./Qwen3-0.6B if present, "
-                         "else random weights)")
-    ap.add_argument("--tiny", action="store_true", help="random 2-layer model instead of the 0.6B shape")
+    which = ap.add_mutually_exclusive_group().add_argument  # --tiny is a model too
+    which("--model", type=cli.model_name,
+          help="checkpoint folder or Hugging Face repo id (default: ./Qwen3-0.6B if present, "
+               "else random weights)")
+    which("--tiny", action="store_true", help="random 2-layer model instead of the 0.6B shape")
     ap.add_argument("--device", choices=["cpu", "gpu"], help="default: MLX's default device")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                     help="activations (and quantization scales); auto = bfloat16 on a GPU, float32 on the CPU")
@@ -402,7 +403,7 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path("Qwen3-0.6B")
-        if args.model and not args.tiny:  # a folder, or a repo id, downloaded once as the CLI does
+        if args.model:  # a folder, or a repo id, downloaded once as the CLI does
             try:
                 model_dir = cli.find_model(args.model, True, li.MODEL_TYPES)
             except cli.UserError as e:
@@ -516,7 +517,7 @@ def distributed_model_dir(args, group, tmp):
     """--model (never downloaded here: several processes would download into one folder at once),
     else ./Qwen3-0.6B, else random weights that each process writes for itself (the same ones)."""
     model_dir = Path("Qwen3-0.6B")
-    if args.model and not args.tiny:
+    if args.model:
         model_dir = cli.find_model(args.model, group.size() == 1, li.MODEL_TYPES)
     if args.tiny or not (model_dir / "config.json").exists():
         from tests.checkpoint import TINY_CONFIG, write_checkpoint

@@ -37,7 +37,16 @@ except OSError:  # not installed: OPENBLAS_HINT says how to install it
 OPENBLAS_HINT = ("Hint: this CPU runs float32 faster with OpenBLAS, which this script uses once "
                  "installed: sudo apt-get install libopenblas0-pthread")
 
-import mlx.core as mx  # noqa: E402 (after the preload)
+RUNTIME = ("mlx", "tokenizers", "huggingface_hub")  # requirements.txt's packages
+# One of them missing: most likely, Python was started outside the project's virtual environment.
+NOT_INSTALLED = ("%s: error: the package %s is not installed here: activate the virtual "
+                 "environment (. .venv/bin/activate), or pip install -r requirements.txt")
+try:
+    import mlx.core as mx  # noqa: E402 (after the preload)
+except ModuleNotFoundError as e:
+    if e.name not in RUNTIME:  # a module missing inside MLX itself: its traceback
+        raise
+    sys.exit(NOT_INSTALLED % (Path(sys.argv[0]).name, e.name))  # llm_inference.py or bench.py
 
 HF_REPO = "Qwen/Qwen3-0.6B"
 SCRIPT_DIR = Path(__file__).resolve().parent  # llm_inference.py's folder, where models may be
@@ -162,7 +171,7 @@ def check_config(model_dir, fields, bits=None):
 def weight_files(model_dir):
     """The weight files llm_inference.weight_files() reads, with a damaged index as one line."""
     model_dir = Path(model_dir)
-    if (model_dir / "model.safetensors").exists():
+    if os.path.lexists(model_dir / "model.safetensors"):  # a link to nothing: unreadable, said so
         return [model_dir / "model.safetensors"]
     weight_map = read_json(model_dir / WEIGHTS_INDEX).get("weight_map")
     names = set(weight_map.values()) if isinstance(weight_map, dict) else ()
@@ -330,10 +339,18 @@ def weight_bytes(shapes, dtype, quantizable, bits=None, group_size=GROUP_SIZE, s
 
 
 def memory_size():
-    """A GPU's memory as MLX reports it (a Mac's unified memory, a CUDA card's); else the RAM."""
+    """What the weights may take: a GPU's memory as MLX reports it (a Mac's unified memory, a CUDA
+    card's); on Linux, the RAM available now (MemAvailable), past which the kernel kills; else all
+    the RAM."""
     info = mx.device_info() if mx.default_device() == mx.gpu else {}
     size = info.get("memory_size") or info.get("total_memory")  # Metal's key, CUDA's key
-    return size or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if size:
+        return size
+    with contextlib.suppress(OSError, StopIteration):  # no /proc/meminfo: not Linux
+        with open("/proc/meminfo") as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024  # "MemAvailable:   23437500 kB"
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def gpu_working_set():
@@ -342,30 +359,38 @@ def gpu_working_set():
         return mx.device_info().get("max_recommended_working_set_size")
 
 
-def check_memory(needed, available, dtype, working_set=None, what=""):
-    """Refuse weights larger than the memory, or on a Mac than the GPU's working set, before
-    reading gigabytes only to crash or swap. Smaller ones run: the OS can usually make room."""
+def check_memory(needed, available, dtype, working_set=None, margin=0, what=""):
+    """Refuse weights larger than the memory available, or on a Mac than the GPU's working set,
+    before reading gigabytes only to be killed or to swap. Warn when they fit, but not with
+    `margin` more (the KV cache and activations). what: said of the weights."""
+    smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
+    fix = f"try {smaller}--quantize 4, or a smaller model"
     if working_set and needed > working_set:
         has = (f"this Mac's GPU may use only {working_set / 1e9:.1f} GB of its "
                f"{available / 1e9:.1f} GB of memory (Metal's recommended working set)")
     elif needed > available:
-        has = f"this machine has {available / 1e9:.1f} GB of memory"
+        has = f"this machine has {available / 1e9:.1f} GB of memory available"
     else:
+        if needed + margin > (working_set or available):
+            print(f"warning: the weights take {needed / 1e9:.1f} of the "
+                  f"{(working_set or available) / 1e9:.1f} GB available, leaving little for the "
+                  f"KV cache and activations; if the run is killed, {fix}", file=sys.stderr)
         return
-    smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
     raise UserError(f"the weights need {needed / 1e9:.1f} GB as {name_of(dtype)}{what}, but "
-                    f"{has}; try {smaller}--quantize 4, or a smaller model")
+                    f"{has}; {fix}")
 
 
 def check_fit(config, layer_shapes, dtype, bits, stored, quantizable):
-    """check_memory for the weights of config (this process's share) and its layer_shapes."""
+    """check_memory for the weights of config (this process's share) and its layer_shapes, with
+    room for a KV cache of 4,096 positions (as the README's table counts it)."""
     shapes, c = tensor_shapes(config, layer_shapes), config
     needed = weight_bytes(shapes, dtype, quantizable, bits or stored.get("bits"),
                           stored.get("group_size", GROUP_SIZE), stored)
+    kv_cache = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype.size * 4096
     what = (f" (all {sum(map(math.prod, shapes.values())) / 1e9:.1f} B parameters: a token uses "
             f"{c.num_experts_per_tok} of a block's {c.num_experts} experts, but any may be next)"
             if hasattr(c, "num_experts") else "")
-    check_memory(needed, memory_size(), dtype, gpu_working_set(), what)
+    check_memory(needed, memory_size(), dtype, gpu_working_set(), kv_cache, what)
     if what and dtype != mx.float32 and not (bits or stored) and mx.default_device() == mx.cpu:
         raise UserError(f"MLX's CPU multiplies unquantized experts (mx.gather_mm) in float32 only, "
                         f"not {name_of(dtype)}: use --dtype float32 or --quantize")
@@ -405,6 +430,7 @@ SETTINGS = {
     "presence_penalty": (lambda p: is_number(p) and 0 <= p <= 2, "a number in [0, 2]"),
     "seed": (lambda s: is_number(s, int) and 0 <= s < 2**64, "an integer in [0, 2**64)"),
     "count": (lambda n: is_number(n, int) and n >= 1, "an integer >= 1"),  # --max-tokens, ...
+    "top_probs": (lambda n: is_number(n, int) and 1 <= n <= 1000, "an integer from 1 to 1000"),
     "eos_token_id": (lambda ids: all(is_number(i, int) and i >= 0 for i in
                                      (ids if isinstance(ids, list) else [ids])),
                      "a token id (an integer >= 0) or a list of them"),
@@ -487,25 +513,24 @@ def download_model(repo, model_dir, fields):
 
 
 def find_model(model_arg, allow_download, fields):
-    """--model's folder as it is; a repo id's in Hugging Face's cache, downloaded there once; by
-    default (or Qwen/Qwen3-0.6B when complete there) ./Qwen3-0.6B, else the script's, downloaded."""
+    """--model's folder as it is; a repo id's copy in Hugging Face's cache, downloaded there once;
+    without --model, ./Qwen3-0.6B, else the one next to the script, downloaded there."""
     repo = repo_id(model_arg) if model_arg else HF_REPO
     names = lambda folder: {p.name for p in folder.iterdir()} if folder and folder.is_dir() else ()
     try:
-        if model_arg and (repo is None or Path(model_arg).exists()):
+        in_cache = bool(model_arg and repo) and not Path(model_arg).exists()
+        if in_cache:
+            import huggingface_hub as hub  # its cache: ~/.cache/huggingface/hub, or $HF_HOME's
+
+            model_dir = None
+            with contextlib.suppress(Exception):  # LocalEntryNotFoundError: not there
+                model_dir = Path(hub.snapshot_download(repo, local_files_only=True,
+                                                       allow_patterns=CACHED_FILES))
+        elif model_arg:
             model_dir, repo = Path(model_arg), None
         else:  # ./Qwen3-0.6B when present, else the one next to the script
             model_dir = Path("Qwen3-0.6B")
             model_dir = model_dir if model_dir.is_dir() else SCRIPT_DIR / model_dir
-        in_cache = model_arg and repo and (repo != HF_REPO or missing_files(names(model_dir)))
-        if in_cache:  # or where this script downloaded repo ids until 2026-12, if complete there
-            import huggingface_hub as hub  # its cache: ~/.cache/huggingface/hub, or $HF_HOME's
-
-            earlier = SCRIPT_DIR / repo
-            model_dir = earlier if not missing_files(names(earlier)) else None
-            with contextlib.suppress(Exception):  # LocalEntryNotFoundError: not there
-                model_dir = Path(hub.snapshot_download(repo, local_files_only=True,
-                                                       allow_patterns=CACHED_FILES))
         # Names, not files: a directory in a file's place is reported as unreadable when read.
         missing = missing_files(names(model_dir))
     except OSError as e:  # a name too long, a folder without permission, ...
@@ -513,8 +538,9 @@ def find_model(model_arg, allow_download, fields):
                         f"{e.strerror or e}")
     if not missing:
         return model_dir
-    what = (f"{repo} is not in the Hugging Face cache" if in_cache else
-            f"{model_dir} lacks {', '.join(missing)}" if model_dir.is_dir() else
+    what = (f"{repo} is not in the Hugging Face cache" if in_cache and not model_dir else
+            f"{repo}'s copy in the Hugging Face cache is incomplete (no {', '.join(missing)})"
+            if in_cache else f"{model_dir} lacks {', '.join(missing)}" if model_dir.is_dir() else
             f"{model_dir} is a file, not a model folder" if model_dir.exists() else
             f"model folder {model_dir} not found")
     if repo is None:
@@ -642,8 +668,8 @@ def parse_args(argv):
     add("--quantize", type=int, choices=[4, 8], metavar="{4,8}",
         help="store the weights in 4 or 8 bits, as mlx_lm.convert does: less memory")
     lab = ap.add_argument_group("experiments (README, Experiments)").add_argument
-    lab("--top-probs", type=number(int, "count"), metavar="N",
-        help="print the N likeliest first tokens and their probabilities")
+    lab("--top-probs", type=number(int, "top_probs"), metavar="N",
+        help="print the N likeliest first tokens (at most 1000) and their probabilities")
     lab("--trace", action="store_true",
         help="narrate one forward pass over the prompt (shapes, sizes, logit lens); no reply")
     lab("--no-cache", action="store_true",
@@ -726,16 +752,19 @@ def check_prompt(prompt_ids, config, max_new, trace):
 # --- Terminal output: the header, a reply as it comes, tables, the statistics line -------------
 
 def print_header(model_arg, model_dir, config, n, dtype, weights, how, prompt=None, n_prompt=0):
-    """Model: ... (a repo id or folder as given), an OpenBLAS hint, Prompt: ... unless chatting."""
+    """Model: ... (a repo id or folder as given, and where its weights are), an OpenBLAS hint,
+    Prompt: ... unless chatting."""
     repo = model_arg and not Path(model_arg).exists() and repo_id(model_arg)
+    folder = os.path.abspath(model_dir)  # a link named as given, not as its target
     c, matrices = config, [weights["embed_tokens"], weights["lm_head"],
                            *(w for layer in weights["layers"] for w in layer.values())]
     bits = "/".join(map(str, sorted({w.bits for w in matrices if hasattr(w, "bits")})))
-    print(f"Model: {repo or Path(os.path.abspath(model_dir)).name} ({c.num_hidden_layers} layers, "
+    print(f"Model: {repo or Path(folder).name} ({c.num_hidden_layers} layers, "
           f"{c.hidden_size} dim, {c.num_attention_heads * n} Q heads, {c.num_key_value_heads * n} "
           f"KV heads) on {'gpu' if mx.default_device() == mx.gpu else 'cpu'}"
           f"{f' x {n} processes' if n > 1 else ''}, {name_of(dtype)}"
-          f"{f', {bits}-bit weights' if bits else ''}", file=sys.stderr)
+          f"{f', {bits}-bit weights' if bits else ''}, from "
+          f"{'the Hugging Face cache' if repo else folder}", file=sys.stderr)
     if MLX_CPU_WHEEL and not OPENBLAS:
         print(OPENBLAS_HINT, file=sys.stderr)
     if prompt is not None:
@@ -769,7 +798,10 @@ BYTE_OF = {chr(c): b for b, c in zip(PRINTABLE + [b for b in range(256) if b not
 
 def piece(tokenizer, token_id):
     """A token as shown(): its text, or, for bytes that are no whole character (a piece of one,
-    as byte-level BPE makes), <0xEF> for each, as llama.cpp writes them."""
+    as byte-level BPE makes), <0xEF> for each, as llama.cpp writes them; <unused id> for a row
+    of the embedding table past the tokenizer's ids (Qwen3: 151936 rows, 151669 tokens)."""
+    if tokenizer.id_to_token(token_id) is None:
+        return "<unused id>"
     text = tokenizer.decode([token_id], skip_special_tokens=False)
     if "\ufffd" not in text:
         return shown(text)
@@ -951,8 +983,8 @@ def complete(tokens, tokenizer, text_stream, args, n_prompt, drawn=None):
     n = printer.n_tokens
     print(f"{'Interrupted. ' if interrupted else ''}Prompt: {plural(n_prompt, 'token')}"
           f"{rate(n_prompt if n else 0, prefill_s)} | Generated: {plural(n, 'token')}"
-          f"{rate(n - 1, decode_s)} | Total: {prefill_s + decode_s:.2f} s | Peak memory: "
-          f"{mx.get_peak_memory() / 1e9:.2f} GB", file=status(interrupted))
+          f"{rate(n - 1, decode_s)} | Prefill + decode: {prefill_s + decode_s:.2f} s | "
+          f"Peak memory: {mx.get_peak_memory() / 1e9:.2f} GB", file=status(interrupted))
     return 130 if interrupted else 0
 
 
@@ -1149,6 +1181,10 @@ def run(main):
         what = "another process stopped" if "peer" in str(e) else "a process failed"
         print(f"llm_inference.py: error: {what} ({e}); ending", file=sys.stderr)
         sys.exit(1)
+    except ModuleNotFoundError as e:  # huggingface_hub, imported where first needed
+        if e.name not in RUNTIME:
+            raise
+        sys.exit(NOT_INSTALLED % ("llm_inference.py", e.name))
     except KeyboardInterrupt:  # Ctrl-C while loading: no traceback
         mx.synchronize()  # nothing left queued on the GPU at exit, as after Ctrl-C in stream()
         print("\nInterrupted.", file=status(True))

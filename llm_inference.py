@@ -25,6 +25,7 @@ value is needed (`print(y)`, `y.item()`, `mx.eval(y)`). generate() (section 11) 
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -489,26 +490,50 @@ def compile_model():
 # --- 14. Long prompts: prefill in pieces ----------------------------------------------------------
 #
 # A piece of 1024 tokens has attention scores of (heads, 1024, total) rather than (heads, total,
-# total) for the whole prompt at once: that bounds the memory of one pass, at a cost in speed (an
-# H200 took 28 instead of 21 ms to the first token of 2048: docs/performance.md).
-PREFILL_CHUNK = 1024
+# total) for the whole prompt at once: that bounds the memory of one pass, at some cost in speed
+# (docs/performance.md#against-mlx-lm-the-same-weights).
+#
+# Pieces are also what keeps a slow prefill responsive. Python acts on Ctrl-C (KeyboardInterrupt)
+# only between its own steps, never inside an mx.eval(), which MLX computes in one go. So where a
+# prefill is slow (on a CPU, a layer over 1024 tokens can take seconds), the pieces are smaller,
+# each piece's time setting the size of the next, and a piece runs a layer at a time. Ctrl-C then
+# stops a prefill within a fraction of a second, and its progress shows as often
+# (docs/performance.md#prefill-ctrl-c-and-progress).
+PREFILL_CHUNK = 1024  # tokens in a piece, at most
+LAYER_SECONDS = 0.2  # about how long a layer of a piece should take: what Ctrl-C may wait for
+layer_tokens = 8  # tokens a layer runs in LAYER_SECONDS, as the last piece measured; first a guess
 
 
 def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
                   cache=None, progress=None):
     """generate() for a prompt of any length: all but its last piece first go through the model
-    piece by piece, filling the cache. progress(done, total), if given, after each piece."""
+    piece by piece, filling the cache. progress(done, total), if given, after each mx.eval(): done
+    counts a piece's tokens in proportion to the layers they have gone through."""
+    global layer_tokens
     cache = make_cache(config) if cache is None else cache
-    done, total = 0, len(prompt_ids)
-    while total - done > PREFILL_CHUNK:
-        forward(mx.array(prompt_ids[done : done + PREFILL_CHUNK]), weights, config, cache)
-        # Run this piece now, freeing its activations. Only the cache is asked for, so (MLX being
-        # lazy) the piece's logits are never computed.
-        mx.eval([(c.keys, c.values) for c in cache])
-        done += PREFILL_CHUNK
-        if progress:  # the command line shows it for a long prompt
-            progress(done, total)
+    done, total, n_layers = 0, len(prompt_ids), len(cache)
+    # generate() runs the last piece through all the layers at once: it gets at most what one
+    # layer runs in LAYER_SECONDS.
+    while total - done > min(max(layer_tokens // n_layers, 1), PREFILL_CHUNK):
+        size, start = min(layer_tokens, PREFILL_CHUNK, total - done - 1), time.perf_counter()
+        forward(mx.array(prompt_ids[done : done + size]), weights, config, cache)  # recorded only
+        # Run it as many layers at a time as run in LAYER_SECONDS: all of them on a fast GPU, where
+        # each mx.eval() costs a wait. A layer's keys and values need the layers below. Only the
+        # cache is asked for, so (MLX being lazy) the piece's logits are never computed.
+        at_once = max(1, min(layer_tokens // size, n_layers))
+        for first in range(0, n_layers, at_once):
+            mx.eval([(c.keys, c.values) for c in cache[first : first + at_once]])
+            if progress:  # the command line shows it for a long prompt
+                progress(done + size * min(first + at_once, n_layers) // n_layers, total)
+        done += size
+        layer_tokens = tokens_per_layer(size, (time.perf_counter() - start) / n_layers)
     yield from generate(prompt_ids[done:], weights, config, max_tokens, sampling, eos_ids, cache)
+
+
+def tokens_per_layer(size, seconds):
+    """The tokens a layer runs in LAYER_SECONDS, at the pace of a piece of `size` tokens whose
+    layers took `seconds` each. (Section 20 has every process take the same count.)"""
+    return max(1, round(size * LAYER_SECONDS / seconds))
 
 
 # --- 15. Without a KV cache: what the cache saves (--no-cache) ------------------------------------
@@ -877,9 +902,9 @@ def can_split(config, n, group_size=None):
 
 
 def use_tensor_parallelism(group):
-    """From now on, load_tensor() keeps this process's share of each block's matrices, and
+    """From now on, load_tensor() keeps this process's share of each block's matrices,
     attention() and swiglu() add up their partial outputs over the group (run them with
-    split_config's config)."""
+    split_config's config), and tokens_per_layer() gives process 0's count (section 14)."""
     # The load_tensor() in place now: Part 1's, or section 16's when quantizing (replaced first).
     load_whole, n, rank = load_tensor, group.size(), group.rank()
 
@@ -898,7 +923,11 @@ def use_tensor_parallelism(group):
 
     # summed(f) runs f, then adds up its partial outputs over the group.
     summed = lambda function: lambda *args: mx.distributed.all_sum(function(*args), group=group)
-    replace(load_tensor=load_share, attention=summed(attention), swiglu=summed(swiglu))
+    # Each process times its own prefill pieces (section 14), but all must cut a prompt alike.
+    pace = tokens_per_layer
+    first = lambda *args: mx.distributed.all_sum(pace(*args) * (rank == 0), group=group).item()
+    replace(load_tensor=load_share, attention=summed(attention), swiglu=summed(swiglu),
+            tokens_per_layer=first)
 
 
 # --- 21. Mixture of experts: each token through 8 of 128 feed-forwards (Qwen3-30B-A3B) -----------
@@ -1051,7 +1080,7 @@ def main(argv=None):
     if isinstance(config, MoEConfig):  # before section 20, which splits what it loads and sums
         use_experts(config, args.quantize)  # section 21: layer_shapes, load_tensor, swiglu
     if n > 1:  # after section 16: each process keeps its share of what that load_tensor makes
-        use_tensor_parallelism(group)  # section 20: load_tensor, attention, swiglu
+        use_tensor_parallelism(group)  # section 20: load_tensor, attention, swiglu, ...
     if not args.reference_ops:
         use_fused_kernels()  # section 12: rms_norm, apply_rope, attend
         if not args.no_compile:
