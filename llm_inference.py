@@ -489,15 +489,13 @@ def compile_model():
 
 # --- 14. Long prompts: prefill in pieces ----------------------------------------------------------
 #
-# A piece of 1024 tokens has attention scores of (heads, 1024, total) rather than (heads, total,
-# total) for the whole prompt at once: that bounds the memory of one pass, at some cost in speed
-# (docs/performance.md#against-mlx-lm-the-same-weights).
+# A piece of 1024 tokens has attention scores of (heads, 1024, total), not (heads, total, total).
+# That bounds the memory of one pass, at some cost in speed (docs/performance.md).
 #
-# Pieces are also what keeps a slow prefill responsive. Python acts on Ctrl-C (KeyboardInterrupt)
-# only between its own steps, never inside an mx.eval(), which MLX computes in one go. So where a
-# prefill is slow (on a CPU, a layer over 1024 tokens can take seconds), the pieces are smaller,
-# each piece's time setting the size of the next, and a piece runs a layer at a time. Ctrl-C then
-# stops a prefill within a fraction of a second, and its progress shows as often
+# Pieces also keep a slow prefill responsive. Python acts on Ctrl-C only between its own steps,
+# never inside an mx.eval(). So where a prefill is slow (on a CPU, a layer over 1024 tokens can
+# take seconds), each piece's time sets the size of the next, and a piece runs a layer per
+# mx.eval(). Ctrl-C then stops a prefill within a fraction of a second, and progress shows as often
 # (docs/performance.md#prefill-ctrl-c-and-progress).
 PREFILL_CHUNK = 1024  # tokens in a piece, at most
 LAYER_SECONDS = 0.2  # about how long a layer of a piece should take: what Ctrl-C may wait for
@@ -507,8 +505,7 @@ layer_tokens = 8  # tokens a layer runs in LAYER_SECONDS, as the last piece meas
 def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
                   cache=None, progress=None):
     """generate() for a prompt of any length: all but its last piece first go through the model
-    piece by piece, filling the cache. progress(done, total), if given, after each mx.eval(): done
-    counts a piece's tokens in proportion to the layers they have gone through."""
+    piece by piece, filling the cache. progress(done, total), if given, after each mx.eval()."""
     global layer_tokens
     cache = make_cache(config) if cache is None else cache
     done, total, n_layers = 0, len(prompt_ids), len(cache)
@@ -517,9 +514,8 @@ def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), 
     while total - done > min(max(layer_tokens // n_layers, 1), PREFILL_CHUNK):
         size, start = min(layer_tokens, PREFILL_CHUNK, total - done - 1), time.perf_counter()
         forward(mx.array(prompt_ids[done : done + size]), weights, config, cache)  # recorded only
-        # Run it as many layers at a time as run in LAYER_SECONDS: all of them on a fast GPU, where
-        # each mx.eval() costs a wait. A layer's keys and values need the layers below. Only the
-        # cache is asked for, so (MLX being lazy) the piece's logits are never computed.
+        # Run as many layers at a time as run in LAYER_SECONDS: all of them on a fast GPU, where
+        # each mx.eval() costs a wait. Only the cache is asked for, so the logits are never computed.
         at_once = max(1, min(layer_tokens // size, n_layers))
         for first in range(0, n_layers, at_once):
             mx.eval([(c.keys, c.values) for c in cache[first : first + at_once]])
