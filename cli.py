@@ -38,7 +38,6 @@ OPENBLAS_HINT = ("Hint: this CPU runs float32 faster with OpenBLAS, which this s
                  "installed: sudo apt-get install libopenblas0-pthread")
 
 import mlx.core as mx  # noqa: E402 (after the preload)
-from tokenizers.decoders import DecodeStream  # noqa: E402
 
 HF_REPO = "Qwen/Qwen3-0.6B"
 SCRIPT_DIR = Path(__file__).resolve().parent  # llm_inference.py's folder, where models may be
@@ -433,13 +432,6 @@ def load_generation_config(model_dir):
     return values
 
 
-def eos_token_ids(generation_config, tokenizer):
-    """Ids that end a reply: <|im_end|> (151645) ends a chat turn, <|endoftext|> (151643) a text."""
-    ids = generation_config.get("eos_token_id", [])
-    ids = set(ids if isinstance(ids, list) else [ids])
-    return ids | {tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")} - {None}
-
-
 # --- Finding the model: a folder, or a Hugging Face repo id, downloaded once into its cache -------
 
 def repo_id(text):
@@ -818,25 +810,60 @@ def print_top_probs(logits, tokenizer, n, file=None, drawn=None):
                                                  else ""), file=file)
 
 
+class TracePrinter:
+    """--trace's output (llm_inference.trace computes what it shows)."""
+
+    def __init__(self, tokenizer, prompt_ids):
+        self.tokenizer = tokenizer
+        some = lambda items: " ".join(items[:16]) + (f" … ({len(items)})" if len(items) > 16 else "")
+        print(f"tokens: {len(prompt_ids)} ids {some([str(i) for i in prompt_ids])}\n"
+              f"        {some([piece(tokenizer, i) for i in prompt_ids])}\nblock 0, step by step:")
+
+    @staticmethod
+    def shape(a):
+        return f"{tuple(a.shape)} {str(a.dtype).split('.')[-1]}"
+
+    def step(self, name, out, what):
+        """One step of block 0: its name, the shapes of what it made (returned), what it does."""
+        outs = out if isinstance(out, tuple) else (out,)
+        print(f"  {name:<26} -> {', '.join(map(self.shape, outs))}  ({what})")
+        return out
+
+    def lens_intro(self, pick, tied):
+        print(f"after each block: the residual stream's size (RMS) and its logit lens: the likeliest "
+              f"next token if the model stopped there, and the rank there of "
+              f"{piece(self.tokenizer, pick)}, the final pick." +
+              (" Early blocks often show the last prompt token: the stream still holds its "
+               "embedding, which the LM head, tied to the embeddings, reads back as that token."
+               if tied else ""))
+
+    def block(self, i, x, rms, top, p_top, pick, rank):
+        print(f"block {i:>2} done: residual stream {self.shape(x)}, RMS {rms:.3f}, lens: "
+              f"{piece(self.tokenizer, top)} {p_top:.3f}, {piece(self.tokenizer, pick)} #{rank}")
+
+    def final(self, logits):
+        print(f"final RMSNorm + LM head -> logits {self.shape(logits)}; the next token's "
+              "probabilities:")
+        print_top_probs(logits, self.tokenizer, 5, file=sys.stdout)
+
+
 class ReplyPrinter:
     """A reply on stdout as it comes; on a terminal, <think>... dimmed or (hide_think) counted."""
 
     DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 
-    def __init__(self, tokenizer, hide_think):
-        self.tokenizer, self.hide_think = tokenizer, hide_think
+    def __init__(self, tokenizer, text_stream, hide_think):
+        self.hide_think = hide_think
         self.think_ids = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
         self.colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ  # no-color.org
         self.progress = hide_think and sys.stderr.isatty()
-        # DecodeStream holds back the bytes of a character split across tokens (emoji, CJK) until
-        # it is complete: nothing prints as garbage.
-        self.stream = DecodeStream(skip_special_tokens=True)
+        self.text = text_stream(tokenizer)  # llm_inference.text_stream: whole characters only
         self.thinking, self.n_thinking, self.n_tokens = False, 0, 0
         self.answer_started = False  # for hide_think: the newlines after </think> are dropped
 
     def add(self, token_id):
         self.n_tokens += 1
-        piece = self.stream.step(self.tokenizer, token_id) or ""
+        piece = self.text(token_id)
         # With hide_think, <think>, what follows it and </think> print nothing.
         hidden = self.hide_think and (self.thinking or token_id == self.think_ids[0])
         if token_id == self.think_ids[self.thinking]:  # <think> opens, </think> closes
@@ -940,10 +967,10 @@ def drafted(counts, n):
             f"{(n - 1) / counts['passes']:.2f} tokens per target pass")
 
 
-def complete(tokens, tokenizer, args, n_prompt, drawn=None, counts=None):
+def complete(tokens, tokenizer, text_stream, args, n_prompt, drawn=None, counts=None):
     """Print a completion as it comes (and --top-probs' table), then the statistics; exit code.
     counts: section 22's, when a draft model proposes the tokens."""
-    printer = ReplyPrinter(tokenizer, args.hide_think)
+    printer = ReplyPrinter(tokenizer, text_stream, args.hide_think)
     top_probs = args.top_probs and (lambda logits: print_top_probs(
         logits, tokenizer, args.top_probs, drawn=drawn))
     interrupted, prefill_s, decode_s = stream(tokens, printer, top_probs)
@@ -1030,8 +1057,8 @@ def check_chat_room(n_format, max_tokens, context, system):
                   f"lower --max-tokens{' or shorten --system' * bool(system)}")
 
 
-def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda: None, group=None,
-              counts=None):
+def chat_loop(chat, text_stream, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda: None,
+              group=None, counts=None):
     """Talk until end of input, Ctrl-D or /exit; new_reply() runs before each reply (section 17);
     counts: section 22's, when a draft model proposes the tokens."""
     interactive = sys.stdin.isatty()
@@ -1067,7 +1094,7 @@ def chat_loop(chat, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda:
         except UserError as e:  # a bad message is skipped; the chat goes on
             print(f"error: {e}", file=sys.stderr)
             continue
-        n_turns, printer = len(chat.turns), ReplyPrinter(chat.tokenizer, hide_think)
+        n_turns, printer = len(chat.turns), ReplyPrinter(chat.tokenizer, text_stream, hide_think)
         new_reply()
         interrupted, prefill_s, decode_s = stream(
             chat.reply(message, max_tokens, sampling, eos_ids, PREFILL.show), printer)

@@ -1,8 +1,8 @@
 """How an LLM really generates text: Qwen3 from its released files, with MLX.
 
-Part 1, the model, is the first read: at the end of generate() you have seen all of it. Part 2
-goes further, in optional sections that build on Part 1; main() wires both into the command. The
-program around them (checks, download, flags, terminal output) is cli.py: no need to read it.
+Part 1, the model, is the first read. At the end of generate() you have seen all of it. Part 2
+goes further, in optional sections that build on Part 1. main() wires both into the command. The
+program around them is cli.py: checks, download, flags, terminal output. You need not read it.
 
     "The capital of France is"
       1. load       config.json, model.safetensors, tokenizer.json
@@ -17,9 +17,9 @@ program around them (checks, download, flags, terminal output) is cli.py: no nee
       10. sample    -> 12095, the id of " Paris"
       11. generate  feed it back in, repeat until an end-of-sequence token
 
-Shapes are for one sequence, with Qwen3-0.6B's sizes; attention's arrays lead with a batch of 1.
-MLX is lazy: `y = x @ w` only records the operation in a graph; the arithmetic runs when a value
-is needed (`print(y)`, `y.item()`, `mx.eval(y)`). generate() (section 11) builds on that.
+Shapes are for one sequence, with Qwen3-0.6B's sizes. Attention's arrays lead with a batch of 1.
+MLX is lazy. `y = x @ w` only records the operation in a graph, and the arithmetic runs when a
+value is needed (`print(y)`, `y.item()`, `mx.eval(y)`). generate() (section 11) builds on that.
 """
 
 import json
@@ -28,28 +28,27 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-import cli  # the program around the model; first, as on a Linux CPU it loads OpenBLAS before MLX
+import cli  # the program around the model. Imported first: on a Linux CPU, it loads OpenBLAS.
 import mlx.core as mx
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 # ================================================================================================
 # PART 1: THE MODEL
 # ================================================================================================
 #
-# Plain functions: what --reference-ops runs, unless asked to quantize, split the model, or for
-# --min-p or --presence-penalty. Part 2 has other versions of ten of them; main() swaps them in
-# (Part 2's replace()): load_tensor, linear and embed (quantization, section 16), rms_norm,
-# apply_rope and attend (fused kernels, 12), silu_gate (compilation, 13), sample (more sampling
-# controls, 17), and load_tensor, attention and swiglu (several machines, 20).
+# Plain functions that write the math out. `python llm_inference.py --reference-ops` runs exactly
+# this code. A plain run swaps in fused kernels and compilation for four of these functions, and
+# quantizing, several processes and min-p swap in others: Part 2 says which, and why.
 
 # --- 1. Load: the hyper-parameters from config.json, the weights from *.safetensors ---------------
 
 class Config(NamedTuple):  # what the model reads from config.json
-    hidden_size: int  # 1024: width of the "residual stream" layers read and add to (section 8)
+    hidden_size: int  # 1024 numbers per token, in the vectors every layer reads and adds to
     num_hidden_layers: int  # 28 transformer blocks
     num_attention_heads: int  # 16 query heads ...
     num_key_value_heads: int  # ... sharing 8 key/value heads (grouped-query attention, section 6)
-    head_dim: int  # 128: usually hidden_size / heads (64), but Qwen3 sets it: q is 16 x 128 wide
+    head_dim: int  # 128 channels per head. Qwen3 sets it, wider than hidden_size / 16 = 64.
     intermediate_size: int  # 3072: width of the SwiGLU feed-forward
     vocab_size: int  # 151936 rows in the embedding table
     rope_theta: float  # 1e6: base of the rotary position frequencies
@@ -59,7 +58,7 @@ class Config(NamedTuple):  # what the model reads from config.json
 
 
 def load_config(model_dir):
-    """config.json's values, each as its type above (JSON's 1000000 for rope_theta as a float)."""
+    """config.json's values, each as the type above (JSON's 1000000 becomes rope_theta 1e6)."""
     raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     # transformers >= 5 writes rope_theta inside a "rope_parameters" dict.
     raw.setdefault("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
@@ -85,8 +84,8 @@ def layer_shapes(c):
 
 
 def weight_files(model_dir):
-    """model.safetensors, or, for larger models split into shards, the files listed in
-    model.safetensors.index.json: {"weight_map": {name: "model-00001-of-00002.safetensors"}}."""
+    """model.safetensors, or the shards that model.safetensors.index.json lists for a larger model:
+    {"weight_map": {name: "model-00001-of-00002.safetensors"}}."""
     model_dir = Path(model_dir)
     if (model_dir / "model.safetensors").exists():  # the single file first, as transformers does
         return [model_dir / "model.safetensors"]
@@ -95,7 +94,7 @@ def weight_files(model_dir):
 
 
 def load_tensors(model_dir):
-    """Every tensor of every weight file, by name; lazy: nothing is read until it is used."""
+    """Every tensor of every weight file, by name. Lazy: nothing is read until it is used."""
     tensors = {}
     for path in weight_files(model_dir):
         tensors |= mx.load(str(path))
@@ -103,24 +102,24 @@ def load_tensors(model_dir):
 
 
 def load_tensor(tensors, name, dtype):
-    """Take one tensor out of the file's, as dtype, and compute it now. One at a time, the file's
-    bfloat16 copy of everything never sits beside the converted weights (in float32 that would
-    peak at 1.5x the weights)."""
+    """Take one tensor out of the file's, convert it to dtype, and compute it now. Converting one
+    tensor at a time means the file's bfloat16 copy of everything never sits beside the converted
+    weights. In float32, that would take 1.5x the memory of the weights."""
     weight = tensors.pop(name).astype(dtype)
     mx.eval(weight)
     return weight
 
 
 def load_weights(model_dir, config, dtype):
-    """{"embed_tokens", "layers": [{"q_proj": ..., ...} x 28], "norm", "lm_head"}, as dtype
-    (mx.bfloat16, as stored, on a GPU; mx.float32 on a CPU)."""
+    """{"embed_tokens", "layers": [{"q_proj": ..., ...} x 28], "norm", "lm_head"}, as dtype.
+    That is mx.bfloat16, as stored, on a GPU, and mx.float32 on a CPU."""
     tensors = load_tensors(model_dir)
     take = lambda name: load_tensor(tensors, name, dtype)
     embed_tokens = take("model.embed_tokens.weight")  # (151936, 1024)
     # Each layer's tensors by short name: "q_proj" for model.layers.{i}.self_attn.q_proj.weight.
     layers = [{name.split(".")[-2]: take(f"model.layers.{i}.{name}")
                for name in layer_shapes(config)} for i in range(config.num_hidden_layers)]
-    # Qwen3-0.6B to 4B tie the LM head to the embeddings (not a 311 MB copy); 8B and up have one.
+    # Qwen3-0.6B to 4B reuse the embedding table as the LM head. 8B and up store their own.
     lm_head = embed_tokens if config.tie_word_embeddings else take("lm_head.weight")
     return {"embed_tokens": embed_tokens, "layers": layers, "norm": take("model.norm.weight"),
             "lm_head": lm_head}
@@ -134,17 +133,22 @@ def load_tokenizer(model_dir):
 
 def tokenize(tokenizer, text):
     """Text -> ids of vocabulary pieces: "The capital of France is" -> [785, 6722, 315, 9625, 374].
-    Byte-level BPE: the text is cut into word-like chunks, and each chunk's UTF-8 bytes are merged
-    pair by pair, following the merge list learned in training, until no merge applies. Any string
-    has an encoding, emoji included; common words are one token, their leading space included."""
+    Byte-level BPE cuts the text into word-like chunks, then merges each chunk's UTF-8 bytes pair by
+    pair, as the merge list learned in training says. Any string has an encoding, emoji included."""
     return tokenizer.encode(text).ids
 
 
 def detokenize(tokenizer, token_ids):
-    """Ids -> text, special tokens included: the pieces' bytes joined; [12095] -> " Paris". The chat
-    (section 18) uses it; a streamed reply is printed through tokenizers' DecodeStream,
-    which holds back a character whose bytes are split across tokens until it is whole."""
+    """Ids -> text, special tokens included: the pieces' bytes, joined; [12095] -> " Paris"."""
     return tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+def text_stream(tokenizer):
+    """A function that takes a reply's ids one at a time and returns the text each one completes.
+    A piece is bytes, so two tokens can split a character: 🦜 is [123918, 250], each alone "�".
+    DecodeStream keeps such bytes (returning None: "" here) until the token that completes them."""
+    stream = DecodeStream(skip_special_tokens=True)
+    return lambda token_id: stream.step(tokenizer, token_id) or ""
 
 
 # --- 3. Embed: each id picks one row of the embedding table ---------------------------------------
@@ -157,8 +161,8 @@ def embed(token_ids, embed_tokens):
 # --- 4. RMSNorm: rescale each vector to unit root-mean-square, then by a learned per-channel gain -
 
 def rms_norm(x, weight, eps):
-    """x / sqrt(mean(x²) + eps) * weight, over the last axis: layers read inputs of one scale."""
-    x32 = x.astype(mx.float32)  # square and average in float32: bfloat16 has 8 significant bits
+    """x / sqrt(mean(x²) + eps) * weight, over the last axis, so layers read inputs of one scale."""
+    x32 = x.astype(mx.float32)  # square and average in float32 (bfloat16 has 8 significant bits)
     x32 = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight * x32.astype(x.dtype)
 
@@ -167,9 +171,9 @@ def rms_norm(x, weight, eps):
 
 def apply_rope(x, offset, theta):
     """Rotate x (..., seq, head_dim), whose first position is the absolute position `offset`.
-    Channel i is paired with channel i + head_dim/2 (Hugging Face's "rotate_half" layout; the RoPE
-    paper pairs neighbours), and the pair turns by the angle position * theta^(-2i/head_dim):
-    fast-turning pairs resolve nearby tokens, slow ones distant tokens. Rotations compose, so the
+    Channel i is paired with channel i + head_dim/2 (Hugging Face's "rotate_half" layout), and
+    pair i turns by the angle position * theta^(-2i/head_dim).
+    Fast-turning pairs tell nearby tokens apart, slow ones distant tokens. Rotations compose, so the
     dot product of a rotated query and key depends on their positions only through their gap."""
     head_dim = x.shape[-1]
     inv_freq = theta ** (-mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)  # (64,)
@@ -184,32 +188,31 @@ def apply_rope(x, offset, theta):
 #
 # Each position emits, per head, a query ("what am I looking for?"), a key ("what do I hold?") and a
 # value ("what do I pass on?"). Its output is an average of the values, weighted by how well its
-# query matches each key: softmax(Q Kᵀ / √head_dim) · V; √128 keeps the scores' variance ~1.
-# A dot product cannot tell where tokens are, so RoPE (section 5) mixes positions into queries and
-# keys, and a causal mask keeps each position from seeing later ones (which it must predict).
+# query matches each key: softmax(Q Kᵀ / √128) · V, where √128 keeps the scores' variance near 1.
+# RoPE (section 5) puts the positions into queries and keys. A causal mask keeps each position
+# from seeing the ones after it, since the model learns to predict them.
 #
-# Heads look for different things in parallel. Multi-head attention gives each of the 16 query
-# heads its own key/value head; multi-query attention shares one among all; Qwen3's grouped-query
-# attention has 8 K/V heads, each shared by 2 query heads: half the keys and values to compute
-# and to cache, at little cost in quality.
+# Heads look for different things in parallel. Qwen3's grouped-query attention gives its 16 query
+# heads 8 key/value heads, each shared by 2 query heads: half the keys and values to compute and to
+# cache of one K/V head per query head (multi-head attention), at little cost in quality.
 
 def linear(x, weight):
-    """x @ weight.T: every matrix product of the model. The checkpoint stores each matrix
-    (out, in), PyTorch's nn.Linear layout, so x (seq, in) -> (seq, out)."""
+    """x @ weight.T, every matrix product of the model: x (seq, in) -> (seq, out). The checkpoint
+    stores each matrix as (out, in), the layout of PyTorch's nn.Linear."""
     return x @ weight.T
 
 
 def queries_keys_values(x, layer, config, offset):
     """The first half of attention: x (seq, 1024) at positions offset, offset+1, ... -> q, k, v."""
     c, seq = config, x.shape[0]
-    # Project each position to queries, keys and values, split into heads, heads first. The leading
-    # 1 is a batch axis: attention is written for (batch, heads, seq, head_dim), here one sequence.
+    # Project each position to queries, keys and values, and split them into heads, heads first.
+    # The leading 1 is a batch axis. Attention works on (batch, heads, seq, head_dim).
     q = linear(x, layer["q_proj"]).reshape(1, seq, c.num_attention_heads, c.head_dim).swapaxes(1, 2)
     k = linear(x, layer["k_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim).swapaxes(1, 2)
     v = linear(x, layer["v_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim).swapaxes(1, 2)
-    # QK-norm (new in Qwen3): RMS-normalise each head's 128 query and key channels, else their sizes
-    # can creep up in training until the softmax saturates. Normalise, then rotate: the order
-    # Qwen3 was trained with (per-channel gains do not commute with the rotation).
+    # QK-norm, new in Qwen3, RMS-normalises each head's 128 query and key channels, which could
+    # otherwise grow in training until the softmax saturates. Normalise, then rotate, as Qwen3 was
+    # trained: the rotation mixes channels i and i + 64, which have gains of their own.
     q = apply_rope(rms_norm(q, layer["q_norm"], c.rms_norm_eps), offset, c.rope_theta)
     k = apply_rope(rms_norm(k, layer["k_norm"], c.rms_norm_eps), offset, c.rope_theta)
     return q, k, v  # (1, 16, seq, 128), (1, 8, seq, 128), (1, 8, seq, 128)
@@ -217,23 +220,23 @@ def queries_keys_values(x, layer, config, offset):
 
 class KVCache:
     """One layer's keys and values for every position so far, so a new token computes only its own
-    (without it, every token re-runs all earlier ones through every layer). Qwen3-0.6B in bfloat16
+    instead of running all the earlier ones through every layer again. Qwen3-0.6B in bfloat16
     caches 28 layers x 2 (K, V) x 8 heads x 128 x 2 bytes = 112 KiB per token."""
 
     GROWTH = 256  # positions added at a time: one copy per 256 tokens, not one per token
 
     def __init__(self):
         self.keys = self.values = None  # (1, 8, capacity, 128), preallocated, written in place
-        self.offset = 0  # positions filled; it advances when a step is recorded, not computed
+        self.offset = 0  # positions filled (MLX being lazy, written when next computed)
 
     def update_and_fetch(self, k, v):
-        """Store k, v (1, 8, seq, 128) at positions offset, offset+1, ...; return all so far."""
+        """Store k, v (1, 8, seq, 128) at positions offset, offset+1, ... Return all so far."""
         end = self.offset + k.shape[-2]
         capacity = 0 if self.keys is None else self.keys.shape[-2]
         if end > capacity:  # full: add room for a whole number of GROWTH positions
             room = math.ceil((end - capacity) / self.GROWTH) * self.GROWTH
-            room = (*k.shape[:-2], room, k.shape[-1])
-            if self.keys is None:  # two arrays, not one shared: the writes below are in place
+            room = (*k.shape[:-2], room, k.shape[-1])  # the shape of the new positions
+            if self.keys is None:  # two arrays, not one shared, as the writes below are in place
                 self.keys, self.values = mx.zeros(room, k.dtype), mx.zeros(room, v.dtype)
             else:
                 self.keys = mx.concatenate([self.keys, mx.zeros(room, k.dtype)], axis=-2)
@@ -250,29 +253,29 @@ def make_cache(config):
 
 def attend(q, k, v):
     """softmax(q kᵀ / √d) v for q (1, 16, seq, 128), k and v (1, 8, total, 128) -> like q.
-    The queries are the last `seq` of the `total` positions; each sees the keys up to its own."""
+    The queries are the last `seq` of the `total` positions. Each sees the keys up to its own."""
     _, n_heads, seq, head_dim = q.shape
     _, n_kv_heads, total, _ = k.shape
     scale = 1 / math.sqrt(head_dim)
-    # Grouped-query attention by broadcasting: q viewed as (8 groups, 2 heads, ...) meets k, v
-    # viewed as (8, 1, ...), so query head h uses key/value head h // 2 (heads 0 and 1 share K/V
+    # Grouped-query attention by broadcasting. q, viewed as (8 groups, 2 heads, ...), meets k and v
+    # viewed as (8, 1, ...). So query head h uses key/value head h // 2 (heads 0 and 1 share K/V
     # head 0), and no repeated copy of the keys and values is built.
     q = q.reshape(n_kv_heads, n_heads // n_kv_heads, seq, head_dim)  # (8, 2, seq, 128)
     k, v = k.reshape(n_kv_heads, 1, total, head_dim), v.reshape(n_kv_heads, 1, total, head_dim)
-    scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total); q is smaller once total > 128
+    scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total); q is smaller than scores
     # Causal mask: query i sits at position total-seq+i and sees keys 0 ... total-seq+i.
     allowed = mx.arange(total)[None, :] <= (total - seq + mx.arange(seq))[:, None]
     scores = mx.where(allowed, scores, -mx.inf)  # (seq, total) mask, broadcast
-    probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)  # float32 exp/sum
+    probs = mx.softmax(scores.astype(mx.float32), axis=-1).astype(v.dtype)  # exp, sum in float32
     return (probs @ v).reshape(1, n_heads, seq, head_dim)
 
 
 def attention(x, layer, config, cache):
-    """x (seq, 1024), already normalised -> (seq, 1024): what each position gathers from others."""
+    """x (seq, 1024), already normalised -> (seq, 1024), what each position gathers from others."""
     q, k, v = queries_keys_values(x, layer, config, cache.offset)
     k, v = cache.update_and_fetch(k, v)  # (1, 8, total, 128): the earlier positions' and these
     heads = attend(q, k, v)  # (1, 16, seq, 128)
-    # Concatenate the heads into one vector per position; the output projection mixes them.
+    # Concatenate the heads into one vector per position. The output projection mixes them.
     heads = heads.swapaxes(1, 2).reshape(x.shape[0], -1)  # (seq, 16 x 128 = 2048)
     return linear(heads, layer["o_proj"])  # (seq, 1024)
 
@@ -280,14 +283,15 @@ def attention(x, layer, config, cache):
 # --- 7. SwiGLU feed-forward: a gated two-layer MLP applied to each position on its own ------------
 
 def silu_gate(gate, up):
-    """silu(gate) * up, element by element. silu(g) = g * σ(g) is a smooth ReLU, not a 0-1 switch;
-    multiplied with a second projection, `up`, it gates it."""
+    """silu(gate) * up, element by element. silu(g) = g * σ(g) is a smooth ReLU. It scales `up`,
+    a second projection of the same input: a learned gate, not a 0-1 switch."""
     return gate * mx.sigmoid(gate) * up
 
 
 def swiglu(x, layer):
-    """(seq, 1024) -> (seq, 3072) -> (seq, 1024), each position on its own: about 60% of a block's
-    weights, thought to hold much of what the model knows, widened 3x for room for many features."""
+    """(seq, 1024) -> (seq, 3072) -> (seq, 1024), each position on its own. It holds about 60% of a
+    block's weights, and is thought to hold much of what the model knows. The 3x wider middle
+    leaves room for many features."""
     gate = linear(x, layer["gate_proj"])  # (seq, 3072)
     up = linear(x, layer["up_proj"])  # (seq, 3072)
     return linear(silu_gate(gate, up), layer["down_proj"])  # (seq, 1024)
@@ -297,8 +301,8 @@ def swiglu(x, layer):
 
 def transformer_block(x, layer, config, cache):
     """x (seq, 1024) -> (seq, 1024). Pre-norm: each sub-layer reads a normalised copy of the
-    residual stream x and *adds* its result to x, never normalising x itself, so information (and,
-    in training, gradient) flows straight from the embedding to the last layer."""
+    residual stream x and *adds* its result to x. x itself is never normalised, so information
+    (and, in training, gradient) flows straight from the embedding to the last layer."""
     eps = config.rms_norm_eps
     h = x + attention(rms_norm(x, layer["input_layernorm"], eps), layer, config, cache)
     return h + swiglu(rms_norm(h, layer["post_attention_layernorm"], eps), layer)
@@ -307,12 +311,12 @@ def transformer_block(x, layer, config, cache):
 # --- 9. Forward: embed -> 28 blocks -> final norm -> LM head --------------------------------------
 
 def forward(token_ids, weights, config, cache, last_only=True):
-    """Logits for token_ids (seq,), which continue the sequence already in `cache` (one per layer):
-    (vocab,) scores for the next token, or (seq, vocab), every position's, if not last_only."""
+    """Logits for token_ids (seq,), which continue the sequence in `cache` (a KVCache per layer):
+    (vocab,) scores for the next token, or every position's (seq, vocab) if not last_only."""
     x = embed(token_ids, weights["embed_tokens"])  # (seq, 1024)
     for layer, layer_cache in zip(weights["layers"], cache):
         x = transformer_block(x, layer, config, layer_cache)
-    if last_only:  # generating needs the next token only (training and the tests: every one)
+    if last_only:  # generating needs the next token only (training and the tests use every one)
         x = x[-1:]  # (1, 1024)
     x = rms_norm(x, weights["norm"], config.rms_norm_eps)
     logits = linear(x, weights["lm_head"])  # (1 or seq, vocab): a score (logit) per token
@@ -322,6 +326,8 @@ def forward(token_ids, weights, config, cache, last_only=True):
 # --- 10. Sample: pick the next token from the logits ----------------------------------------------
 
 class Sampling(NamedTuple):
+    """Greedy by default. A chat takes Qwen's values from generation_config.json: temperature 0.6,
+    top-k 20, top-p 0.95. main() also draws a random seed, unless given one."""
     temperature: float = 0.0  # 0 = greedy: always the most likely token
     top_k: int = 0  # keep the k most likely tokens (0 = all) ...
     top_p: float = 1.0  # ... then the fewest whose probabilities add up to >= top_p (nucleus)
@@ -329,19 +335,19 @@ class Sampling(NamedTuple):
 
 
 def filter_logits(logits, sampling):
-    """Divide by the temperature, then set to -inf every token that top-k or top-p rules out, in
+    """Divide by the temperature. Then set to -inf every token that top-k or top-p rules out, in
     the order Hugging Face transformers applies them."""
     logits = logits.astype(mx.float32) / sampling.temperature  # < 1 sharpens, > 1 flattens
     top_k, top_p, n_vocab = sampling.top_k, sampling.top_p, len(logits)
     if 0 < top_k < n_vocab:
         candidates = mx.argpartition(-logits, top_k - 1)[:top_k]  # the k largest, unsorted
-        # Everything below the k-th largest logit goes (ties with it stay, as in transformers).
+        # Everything below the k-th largest logit goes. Ties with it stay, as in transformers.
         logits = mx.where(logits >= logits[candidates].min(), logits, -mx.inf)
     else:
         candidates = mx.arange(n_vocab)
     if top_p < 1:
-        # Walk down from the likeliest token: a token stays if those before it add up to less than
-        # top_p (so the one crossing the threshold stays). Only the top-k candidates need sorting.
+        # Walk down from the likeliest token. A token stays if those before it add up to less than
+        # top_p, so the one that crosses the threshold stays. Only the top-k candidates are sorted.
         order = candidates[mx.argsort(-logits[candidates])]  # token ids, likeliest first
         probs = mx.exp(logits[order] - mx.logsumexp(logits))
         kept = mx.cumsum(probs) - probs < top_p  # the mass before each token
@@ -352,7 +358,7 @@ def filter_logits(logits, sampling):
 
 
 def sample(logits, sampling, key):
-    """Greedy (argmax) at temperature 0; else a draw from the softmax of filter_logits' logits."""
+    """Greedy (argmax) at temperature 0. Otherwise a draw from the softmax of filter_logits()."""
     if sampling.temperature == 0:
         return mx.argmax(logits, axis=-1)
     return mx.random.categorical(filter_logits(logits, sampling), key=key)  # renormalises
@@ -360,32 +366,46 @@ def sample(logits, sampling, key):
 
 # --- 11. Generate: prefill the prompt once, then decode one token at a time -----------------------
 #
+# From text to text, with Part 1 alone:
+#     ids, eos_ids = tokenize(tokenizer, prompt), load_eos_ids(model_dir, tokenizer)
+#     text = text_stream(tokenizer)
+#     for token_id, _ in generate(ids, weights, config, 99, eos_ids=eos_ids):
+#         print(text(token_id), end="", flush=True)
+
+def load_eos_ids(model_dir, tokenizer):
+    """The ids that end a reply: those generation_config.json lists, and always <|im_end|> (151645),
+    which closes a chat turn, and <|endoftext|> (151643), which ends a document."""
+    path = Path(model_dir) / "generation_config.json"
+    ids = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id") if path.exists() else []
+    ids = set(ids if isinstance(ids, list) else [ids])
+    return (ids | {tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")}) - {None}
+
+
 # Written plainly, the decode loop would be:
 #     for _ in range(max_tokens):
 #         yield token.item()                 # wait for the GPU to compute the token
-#         token, logits = step(token[None])  # the GPU idles while Python records this step
-# Recording a step takes time too: for Qwen3-0.6B on an H200 GPU, 0.9-1.6 ms, against 2.5-4.8 ms
-# to run it (docs/performance.md); the GPU would idle for that long on every token.
-# So, MLX being lazy, step n+1 is recorded on token n before that is computed, and queued
-# (mx.async_eval); only then do we wait for token n.
+#         token, logits = step(token[None])  # the GPU idles while Python records the next step
+# For a small model on a fast GPU, recording a step takes a good part of the time that running it
+# takes (docs/performance.md). MLX being lazy, generate() records step n+1 on token n before token
+# n is computed, queues it (mx.async_eval), and only then waits for token n.
 
 def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(), cache=None):
-    """Yield (token id, the logits it was picked from) until an id in eos_ids (yielded too) or
-    max_tokens. `cache` may already hold earlier tokens: prompt_ids continue them. At the end the
-    cache holds every token yielded, except the last when max_tokens ended the run (a token's keys
-    and values enter the cache in the step that follows it)."""
+    """Yield (token id, the logits it was picked from) until an id in eos_ids (yielded too), or
+    max_tokens of them. `cache` may already hold earlier tokens, which prompt_ids continue. A token
+    enters the cache in the step after it, so the last one yielded may be missing from it."""
     cache = make_cache(config) if cache is None else cache
     key = mx.random.key(sampling.seed)
 
     def step(token_ids):  # one forward pass over token_ids (seq,) and the token picked after it
         nonlocal key
         logits = forward(token_ids, weights, config, cache)
-        # Fresh randomness for each step, repeatable from the seed; greedy picking needs none.
+        # Fresh randomness for each step, repeatable from the seed: split one key into two, one
+        # kept for later steps and one for this pick. Greedy picking needs none.
         key, pick_key = mx.random.split(key) if sampling.temperature else (key, key)
         return sample(logits, sampling, pick_key), logits
 
-    # Prefill: the prompt's tokens are all known, so they go through each layer together (large,
-    # efficient matrix products), filling the cache and giving the first new token.
+    # Prefill: the prompt's tokens are all known, so they go through each layer together, in large
+    # and efficient matrix products. That fills the cache and gives the first new token.
     token, logits = step(mx.array(prompt_ids))
     mx.async_eval(token)
     # Decode: feed each new token back in, as a one-token sequence.
@@ -395,7 +415,7 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
             mx.async_eval(following[0])
         token_id = token.item()  # waits for token n only
         yield token_id, logits
-        if token_id in eos_ids or n + 1 == max_tokens:
+        if token_id in eos_ids or n + 1 == max_tokens:  # then `following` is not needed
             return
         token, logits = following
 
@@ -404,16 +424,19 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 # PART 2: GOING FURTHER (optional sections that build on Part 1)
 # ================================================================================================
 #
-# Some sections change how Part 1 runs: fused kernels (12), compilation (13), quantized matrices
-# (16), more sampling controls (17) and several machines (20). Each replaces Part 1 functions by
-# name, with replace(): Python looks a global name up each time it is called, so after
-# replace(rms_norm=fused_rms_norm) every call of rms_norm() in Part 1 runs the kernel, and Part 1
-# reads as you read it. main() makes all the replacements, in one block; with --reference-ops it
-# leaves out the fused kernels and the compilation.
+# Some sections change how Part 1 runs. Each replaces Part 1 functions by name, with replace().
+# Python looks a global name up each time it is called. So after replace(rms_norm=fused_rms_norm),
+# every call of rms_norm() in Part 1 runs the kernel, and Part 1 still reads as you read it.
+# main() makes all the replacements, in one block:
+#   12. fused kernels     rms_norm, apply_rope, attend    unless --reference-ops
+#   13. compilation       silu_gate                       unless --reference-ops or --no-compile
+#   16. quantization      load_tensor, linear, embed      --quantize, or a folder stored quantized
+#   17. sampling          sample                          --min-p or --presence-penalty
+#   20. several machines  load_tensor, attention, swiglu  under mlx.launch
 
 def replace(**functions):
     """From now on, calls by these names (Part 1's functions) run the functions given. A misspelt
-    name would replace nothing: refused. Restarting Python undoes it all."""
+    name would replace nothing, so it is refused. Restarting Python undoes it all."""
     unknown = set(functions) - set(globals())
     if unknown:
         raise NameError(f"no function {', '.join(sorted(unknown))} to replace")
@@ -422,10 +445,9 @@ def replace(**functions):
 
 # --- 12. Fused kernels: RMSNorm, RoPE and attention in one kernel each ----------------------------
 #
-# Written out as math (sections 4 to 6), each of these runs several MLX operations, each a pass over
-# memory. MLX also has each as a single kernel, mx.fast.*: the same numbers, to rounding (the tests
-# check it), in one pass on a GPU (MLX's CPU build runs some as several operations still).
-# use_fused_kernels() replaces rms_norm, apply_rope and attend with them.
+# Written out as math (sections 4 to 6), each of these runs several MLX operations, each a pass
+# over memory. mx.fast has each as a single kernel: the same numbers, to rounding (the tests check
+# it), in one pass on a GPU. (MLX's CPU build still runs some as several operations.)
 
 def fused_rms_norm(x, weight, eps):
     return mx.fast.rms_norm(x, weight, eps)
@@ -436,8 +458,8 @@ def fused_rope(x, offset, theta):
 
 
 def fused_attend(q, k, v):
-    """attend() in one kernel. It does the head groups and the causal mask itself, aligned as
-    attend() aligns it (the last query sees the last key); a single new token sees every key."""
+    """attend() in one kernel. It handles the head groups and the causal mask itself, aligned as
+    attend() aligns it: the last query sees the last key. A single new token sees every key."""
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(q.shape[-1]),
                                                 mask="causal" if q.shape[2] > 1 else None)
 
@@ -449,13 +471,11 @@ def use_fused_kernels():
 # --- 13. Compilation: fusing element-wise operations into one kernel ------------------------------
 #
 # mx.compile traces a function once, then replays the recorded graph as one call, with element-wise
-# steps fused into single kernels: silu_gate's sigmoid and two multiplications become one kernel,
-# one pass over the (seq, 3072) activations instead of three. That matters where per-operation
-# costs dominate (a small model on a big GPU), less where reading the weights does (a Mac, for
-# most models). Matrix products and section 12's kernels are single kernels already, and replaying
-# a compiled function costs Python more than recording a few of them, so silu_gate is all we
-# compile. shapeless=True: one trace serves every sequence length. While tracing, arrays are
-# placeholders: print(x) inside a compiled function fails (try it with --no-compile).
+# steps fused. silu_gate's sigmoid and two products become one kernel: one pass over the (seq,
+# 3072) activations instead of three. Matrix products and section 12's kernels are single kernels
+# already, and replaying costs Python more than recording a few of them. So silu_gate is all we
+# compile. shapeless=True makes one trace serve every sequence length. While tracing, arrays are
+# placeholders, so print(x) inside a compiled function fails (try it with --no-compile).
 
 compiled_silu_gate = mx.compile(silu_gate, shapeless=True)
 
@@ -509,27 +529,25 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
 
 # --- 16. Quantization (--quantize 4 or 8): fewer bits per weight ----------------------------------
 #
-# Generating a token reads every weight once, for one multiply-add each. Where reading memory
-# limits decoding (a Mac or a CPU, for most models), fewer bytes per weight mean more tokens a
-# second: Qwen3-8B's 15 GB of bfloat16 weights cap it near 7 tokens a second at 100 GB/s, its 4.3
-# GB at 4 bits near 23. Where each operation's fixed cost limits it (a small model on a big GPU) it
-# gains less: on an H200, mlx-lm decoded the 0.6B shape at 226 tok/s in bfloat16 and 277 at 8
-# bits, this file at 235 and 239 (docs/performance.md). Memory it always saves.
+# Decoding a token reads every weight matrix once. Fewer bits per weight always save memory. They
+# save time only where reading the weights limits decoding, as expected for large models on a Mac.
+# Qwen3-8B reads 15.1 GB of matrices per token in bfloat16 (of the embedding table, one row). At
+# 100 GB/s that caps it near 7 tokens a second, and its 4.3 GB at 4 bits near 23. For a small model
+# on a big GPU, each operation's fixed cost sets the pace instead. On a CPU, MLX's quantized product
+# is no faster than its float32 one. The measurements are in docs/performance.md.
 #
-# Group-wise affine quantization (MLX's and mlx-lm's): each row of a matrix is cut into groups of
-# 64 consecutive weights. A group keeps one scale and one bias, in the weights' float type, and
-# 64 integers q from 0 to 2^bits - 1, chosen so that w ≈ scale * q + bias: 2^bits evenly spaced
-# levels covering the group's range, nudged so that 0 is one of them. Exactly so only with float32
-# scales and biases: rounded to bfloat16, as here, 0 stayed a level in 72% of a random matrix's
-# groups at 4 bits and 5% at 8. With 16-bit scales and biases, a weight costs 4 + 2 x 16 / 64 =
-# 4.5 bits at 4 bits instead of 16 (3.6x smaller; 8 bits: 8.5, 1.9x smaller). The price is
-# rounding: most weights move by at most half a level, and every product moves with them
-# (docs/performance.md measures how much on a layer).
+# Group-wise affine quantization (MLX's and mlx-lm's) cuts each row of a matrix into groups of 64
+# consecutive weights. A group keeps 64 integers q from 0 to 2^bits - 1, plus one scale and one
+# bias in the weights' float type, chosen so that w ≈ scale * q + bias. The 2^bits levels are evenly
+# spaced over the group's range. With 16-bit scales and biases, a weight costs 4 + 2 x 16 / 64 =
+# 4.5 bits at 4 bits, instead of 16: 3.6x smaller (8.5 bits at 8 bits: 1.9x smaller). The price is
+# rounding. Most weights move by up to half a level, and every product moves with them
+# (docs/performance.md measures how much, on one layer).
 #
-# use_quantization() replaces three Part 1 functions: load_tensor() quantizes each matrix as it is
-# read (or takes it as stored quantized), linear() multiplies with mx.quantized_matmul, which
-# unpacks each group inside the product (the full-precision matrix never exists in memory), and
-# embed() unpacks only the rows it picks.
+# use_quantization() replaces three Part 1 functions. load_tensor() quantizes each matrix as it is
+# read, or takes it as stored quantized. linear() multiplies with mx.quantized_matmul, which unpacks
+# each group inside the product, so the full-precision matrix never exists in memory. embed()
+# unpacks only the rows it picks.
 
 GROUP_SIZE = 64  # weights sharing one scale and bias (mlx-lm's default)
 
@@ -549,16 +567,15 @@ def quantizable(shape, group_size=GROUP_SIZE):
 
 
 def quantize(weight, bits, dtype):
-    """A checkpoint matrix -> Quantized, as mlx_lm.convert does it: from the values as stored
-    (bfloat16), so the scales and biases are bfloat16 numbers, then held as `dtype` (float32 keeps
-    them exactly)."""
+    """A checkpoint matrix -> Quantized, as mlx_lm.convert does it: from the bfloat16 values as
+    stored, so the scales and biases are bfloat16 numbers, then held as `dtype`."""
     q, scales, biases = mx.quantize(weight, group_size=GROUP_SIZE, bits=bits)  # affine mode
     return Quantized(q, scales.astype(dtype), biases.astype(dtype), GROUP_SIZE, bits)
 
 
 def quantized_linear(x, weight):
-    """linear() that also takes Quantized weights: x @ dequantized(weight).T, without the
-    dequantized copy. (Once replaced, the name linear is this function: calling it would loop.)"""
+    """linear() that also takes Quantized weights: x @ dequantized(weight).T, without the copy.
+    (It cannot call linear(): once replaced, that name is this function.)"""
     if not isinstance(weight, Quantized):
         return x @ weight.T
     return mx.quantized_matmul(x, weight.packed, weight.scales, weight.biases, transpose=True,
@@ -574,17 +591,16 @@ def quantized_embed(token_ids, table):
 
 
 def use_quantization(bits=None, stored=None):
-    """Replaces load_tensor, linear and embed (above). stored: config.json's "quantization" entry
-    of a checkpoint mlx_lm.convert stored quantized, {"group_size": 64, "bits": 4, "mode":
-    "affine"}, plus settings of their own for layers quantized otherwise (mixed precision). Such
-    a checkpoint stores each quantized x.weight as x.weight (packed uint32), x.scales, x.biases."""
+    """Replaces load_tensor, linear and embed. stored: the "quantization" entry of config.json in a
+    folder mlx_lm.convert wrote, {"group_size": 64, "bits": 4, "mode": "affine"}, plus entries for
+    layers quantized otherwise. It stores x.weight as x.weight (packed), x.scales and x.biases."""
     stored = stored or {}
 
     def load_quantized(tensors, name, dtype):
         weight = tensors.pop(name)
         stem = name.removesuffix(".weight")
-        if f"{stem}.scales" in tensors:  # stored quantized: the integers are used as they are
-            how = stored.get(stem)  # a layer may have settings of its own (a dict)
+        if f"{stem}.scales" in tensors:  # stored quantized, so used as it is
+            how = stored.get(stem)  # a layer's own settings (a dict), if any
             how = how if isinstance(how, dict) else stored
             weight = Quantized(weight, tensors.pop(f"{stem}.scales").astype(dtype),
                                tensors.pop(f"{stem}.biases").astype(dtype), how["group_size"],
@@ -602,11 +618,11 @@ def use_quantization(bits=None, stored=None):
 # --- 17. More sampling controls: min-p and a presence penalty -------------------------------------
 #
 # Min-p keeps the tokens at least min_p times as likely as the likeliest one, after top-k and top-p
-# (transformers' order): a cut that scales with the model's confidence, strict when one token
+# (transformers' order). The cut scales with the model's confidence: it is strict when one token
 # dominates. The presence penalty lowers the logit of every token already in the reply by the same
-# amount, however often it occurred (OpenAI's and vLLM's meaning): against the endless loops a small
-# model can fall into. It needs to remember the reply's tokens, so it is a sample() that keeps
-# state; being built from MLX arrays, it works on tokens not yet computed.
+# amount, however often it occurred (OpenAI's and vLLM's meaning). It works against the endless
+# loops a small model can fall into. It must remember the reply's tokens, so it is a sample() that
+# keeps state. Built from MLX arrays, that state works on tokens not yet computed.
 
 def filter_min_p(logits, min_p):
     """Set to -inf the tokens less than min_p times as likely as the likeliest, in logits already
@@ -617,7 +633,7 @@ def filter_min_p(logits, min_p):
 
 def use_extra_sampling(min_p, presence_penalty, vocab_size):
     """Replaces sample() (section 10) with one that also applies min-p and the presence penalty.
-    It remembers the tokens it picked; returns new_reply(), which forgets them: call it before
+    It remembers the tokens it picked. It returns new_reply(), which forgets them: call it before
     each reply."""
     in_reply = mx.zeros(vocab_size)  # 1 for each token picked so far
 
@@ -626,7 +642,7 @@ def use_extra_sampling(min_p, presence_penalty, vocab_size):
         logits = logits - presence_penalty * in_reply
         if sampling.temperature == 0:
             token = mx.argmax(logits, axis=-1)
-        else:  # min-p 0 keeps every token filter_logits keeps: sample()'s draw
+        else:  # with min-p 0, this is sample()'s draw
             logits = filter_min_p(filter_logits(logits, sampling), min_p)
             token = mx.random.categorical(logits, key=key)
         in_reply = in_reply.at[token].maximum(1.0)  # a copy with in_reply[token] = 1
@@ -653,30 +669,25 @@ def use_extra_sampling(min_p, presence_penalty, vocab_size):
 #   <|im_start|>user\n{new message}<|im_end|>\n
 #   <|im_start|>assistant\n                             (+ <think>\n\n</think>\n\n for no thinking)
 #
-# Most of that is already in the cache from the turn before, so only the rest needs a prefill: the
-# cache keeps the longest prefix it shares with the new rendering and forgets what follows. That
-# costs nothing: setting `offset` back is enough, as new keys and values are written over the old.
-# Only a prefix can be kept: a token's keys and values depend on its position (RoPE) and, through
-# the layers below, on every token before it. After the first token that differs, everything is
-# computed again, even text that reappears unchanged at new positions.
+# Most of that is already in the cache from the turn before. The cache keeps the longest prefix it
+# shares with the new rendering and forgets the rest, which costs nothing: setting `offset` back is
+# enough, as new keys and values overwrite the old. Only a prefix can be kept, because a token's
+# keys and values depend on its position (RoPE) and on every token before it. After the first token
+# that differs, everything is computed again.
 #
-# Why would anything differ? Because the template rewrites history. Once a new user message
-# follows, a reply's <think>...</think> reasoning is dropped: it has served its purpose, keeping it
-# would fill the context, and Qwen3 was trained on conversations without it. The empty think block
-# of a reply made without thinking goes too. So each turn rolls back to the start of the last
-# reply, then prefills its answer and the new message; everything before is reused. (A reply cut
-# off while thinking has no </think>: the template keeps it whole, and so do we.)
-#
-# Earlier replies enter the history as the token ids the model generated: tokenizing their text
-# again could give other ids for the same text (a different split into pieces), and the cache holds
-# the generated ones.
+# And something does differ, because the template rewrites history. Once a new user message
+# follows, a reply's <think>...</think> reasoning is dropped: it has served its purpose, and Qwen3
+# was trained on conversations without it. An empty think block goes too. So each turn rolls back
+# to the start of the last reply, then prefills its answer and the new message. (A reply cut off
+# while thinking has no </think>, and the template keeps it whole.) Earlier replies enter the
+# history as the ids the model generated: tokenizing their text again could split it otherwise.
 
 def chat_prompt(user, system=None, think=True):
     """Qwen3's chat format for one message, written out by hand.
 
     The text ends by opening the assistant's turn, so the likeliest continuation is a reply. Qwen3
-    first "thinks" inside <think>...</think>; an empty think block (what Qwen's template writes for
-    enable_thinking=False) makes it answer directly. system="" writes an empty system turn; None
+    first "thinks" inside <think>...</think>. An empty think block, which Qwen's template writes for
+    enable_thinking=False, makes it answer directly. system="" writes an empty system turn, and None
     writes none. The tokenizer maps each marker such as <|im_start|> to one special id.
     """
     text = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
@@ -690,11 +701,11 @@ class Chat:
     def __init__(self, weights, config, tokenizer, system=None, think=True):
         self.weights, self.config, self.tokenizer = weights, config, tokenizer
         self.system, self.think = system, think
-        self.turns = []  # (user message, reply ids) per turn; the program may drop or clear them
+        self.turns = []  # (user message, reply ids) per turn. The program may drop or clear them.
         self.cache = make_cache(config)
         self.cached_ids = []  # the ids whose keys and values are in the cache, in order
-        self.reused = self.prefilled = 0  # the last turn's tokens taken from the cache / computed
-        self.replies = 0  # replies so far, also before a /reset: each draws with its own seed
+        self.reused = self.prefilled = 0  # the last turn's tokens taken from the cache, computed
+        self.replies = 0  # replies so far, also before a /reset. Each draws with its own seed.
 
     def prompt_ids(self, message):
         """The conversation so far plus a new message, as Qwen3's chat template renders them."""
@@ -708,7 +719,7 @@ class Chat:
 
     def answer(self, reply):
         """A reply as the template keeps it: what follows the last </think>, without the newlines
-        that start it. A reply without </think> (say, stopped while thinking) is kept whole."""
+        that start it. A reply without </think> (stopped while thinking, say) is kept whole."""
         end_think = self.tokenizer.token_to_id("</think>")
         if end_think not in reply:
             return reply
@@ -719,15 +730,15 @@ class Chat:
         return answer
 
     def reply(self, message, max_tokens, sampling=Sampling(), eos_ids=(), progress=None):
-        """Yield (token id, logits) of the reply to `message`, like section 14's generate_long (a
-        first message may be long). The reply joins the history also when the caller stops early
-        (then close() this generator), even if empty."""
+        """Yield (token id, logits) of the reply to `message`, with section 14's generate_long, as a
+        first message may be long. The reply joins the history even when the caller stops early
+        (then close() this generator), and even if it is empty."""
         ids = self.prompt_ids(message)
         # A fresh draw for each reply, and the whole conversation repeatable from the seed.
         sampling = sampling._replace(seed=(sampling.seed + self.replies) % 2**64)
         self.replies += 1
-        # How many leading ids the cache already holds. The last id is always fed again: its logits
-        # give the reply's first token.
+        # How many leading ids the cache already holds. The last id is always fed again, as its
+        # logits give the reply's first token.
         self.reused = 0
         for cached, new in zip(self.cached_ids, ids[:-1]):
             if cached != new:
@@ -745,10 +756,10 @@ class Chat:
                 yield token_id, logits
         finally:  # finished, stopped by the caller, or interrupted by Ctrl-C inside generate()
             self.turns.append((message, reply))
-            # What the cache holds now. `offset` counts the positions already written (MLX computes
-            # them when next read): generate() may have fed one token more than it yielded (the
-            # <|im_end|> that ended the reply, not in `reply`, is left out here), and a step
-            # interrupted midway may have reached only some layers.
+            # What the cache holds now. `offset` counts the positions written (MLX computes them
+            # when next read). generate() may have fed one token more than it yielded: the
+            # <|im_end|> that ended the reply, not in `reply`, is left out here. And a step
+            # interrupted midway may have reached only some layers: the least of them counts.
             self.cached_ids = (ids + reply)[:min(c.offset for c in self.cache)]
 
 
@@ -756,7 +767,7 @@ class Chat:
 #
 # Every block reads and adds to the same residual stream, and only the final norm and the LM head
 # turn it into logits. Applied early, to the stream after block 5, say, they show what the model
-# would say if it stopped there: with the real weights, watch in which block " Paris" takes the
+# would say if it stopped there. With the real weights, watch in which block " Paris" takes the
 # lead. After the last block, the lens is the model's own output. --trace shows it at every block.
 
 def logit_lens(x, weights, config):
@@ -765,80 +776,80 @@ def logit_lens(x, weights, config):
 
 
 def trace(prompt_ids, weights, config, tokenizer, final=None):
-    """--trace: one forward pass over the prompt, narrated. Block 0 step by step, with the shape
-    of what each step makes; then, after each block, the size (RMS) of the residual stream and
-    its logit lens: the likeliest next token there, and the rank of the model's final pick.
-    final: the model's own logits for the prompt, if the caller has computed them."""
+    """--trace: one forward pass over the prompt, narrated. Block 0 step by step, with the shape of
+    what each step makes. Then, after each block, the size (RMS) of the residual stream and its
+    logit lens: the likeliest next token there, and the rank of the model's final pick. final: the
+    model's own logits for the prompt, if the caller has computed them."""
     c, ids, cache = config, mx.array(prompt_ids), make_cache(config)
     if final is None:
         final = forward(ids, weights, config, make_cache(config))
     pick = mx.argmax(final).item()
-    piece = lambda token_id: cli.piece(tokenizer, token_id)  # bytes of a character: <0xEF>
-    shape = lambda a: f"{tuple(a.shape)} {str(a.dtype).split('.')[-1]}"
-    some = lambda items: " ".join(items[:16]) + (f" … ({len(items)})" if len(items) > 16 else "")
-    print(f"tokens: {len(prompt_ids)} ids {some([str(i) for i in prompt_ids])}\n"
-          f"        {some([piece(i) for i in prompt_ids])}")
-
-    def step(name, out, what):
-        outs = out if isinstance(out, tuple) else (out,)
-        print(f"  {name:<26} -> {', '.join(map(shape, outs))}  ({what})")
-        return out
-
-    print("block 0, step by step:")
+    show = cli.TracePrinter(tokenizer, prompt_ids)  # the printing
     layer, eps = weights["layers"][0], c.rms_norm_eps
-    x = step("embed", embed(ids, weights["embed_tokens"]), "one table row per token")
-    n = step("rms_norm", rms_norm(x, layer["input_layernorm"], eps), "vectors to RMS 1, x gains")
-    q, k, v = step("queries_keys_values", queries_keys_values(n, layer, c, 0),
-                   "q, k, v heads; QK-norm and RoPE")
-    step("attend", attend(q, k, v), "softmax(q kᵀ/√d) v; a K/V head serves a group of q heads")
-    h = step("x + attention", x + attention(n, layer, c, cache[0]),
-             "the same through the cache; heads joined, projected by o_proj, added")
+    x = show.step("embed", embed(ids, weights["embed_tokens"]), "one table row per token")
+    n = show.step("rms_norm", rms_norm(x, layer["input_layernorm"], eps),
+                  "vectors to RMS 1, x gains")
+    q, k, v = show.step("queries_keys_values", queries_keys_values(n, layer, c, 0),
+                        "q, k, v heads; QK-norm and RoPE")
+    show.step("attend", attend(q, k, v), "softmax(q kᵀ/√d) v; a K/V head serves a group of q heads")
+    h = show.step("x + attention", x + attention(n, layer, c, cache[0]),
+                  "the same through the cache; heads joined, projected by o_proj, added")
     n = rms_norm(h, layer["post_attention_layernorm"], eps)
-    x = step("h + swiglu(rms_norm(h))", h + swiglu(n, layer), "feed-forward, added")
-    tied = weights["lm_head"] is weights["embed_tokens"]
-    print(f"after each block: the residual stream's size (RMS) and its logit lens: the likeliest "
-          f"next token if the model stopped there, and the rank there of {piece(pick)}, the final "
-          "pick." + (" Early blocks often show the last prompt token: the stream still holds its "
-                     "embedding, which the LM head, tied to the embeddings, reads back as that "
-                     "token." if tied else ""))
+    x = show.step("h + swiglu(rms_norm(h))", h + swiglu(n, layer), "feed-forward, added")
+    show.lens_intro(pick, tied=weights["lm_head"] is weights["embed_tokens"])
     for i, (layer, layer_cache) in enumerate(zip(weights["layers"], cache)):
         if i:
             x = transformer_block(x, layer, c, layer_cache)
         probs = mx.softmax(logit_lens(x, weights, c).astype(mx.float32))
         top, rank = mx.argmax(probs).item(), (probs > probs[pick]).sum().item() + 1
         rms = mx.sqrt(mx.mean(x.astype(mx.float32) ** 2)).item()
-        print(f"block {i:>2} done: residual stream {shape(x)}, RMS {rms:.3f}, lens: {piece(top)} "
-              f"{probs[top].item():.3f}, {piece(pick)} #{rank}")
-    print(f"final RMSNorm + LM head -> logits {shape(final)}; the next token's probabilities:")
-    cli.print_top_probs(final, tokenizer, 5, file=sys.stdout)
+        show.block(i, x, rms, top, probs[top].item(), pick, rank)
+    show.final(final)
 
 
 # --- 20. Several machines: one model split across processes (tensor parallelism) ------------------
 #
-# A model larger than one Mac's memory can be split across several (Qwen3-32B takes about 65 GB in
-# bfloat16): `mlx.launch -n 2 python llm_inference.py` starts one process per machine (or, to
-# learn, two on one), and mx.distributed connects them (TCP, RDMA over Thunderbolt 5, or NCCL
-# between CUDA GPUs). The processes form a *group* of n; each knows its *rank*, its number 0 to
-# n-1 (alone, a group of 1). all_sum(x) is the one exchange: every process hands in an array of
-# the same shape, and every one gets back their sum.
+# Qwen3-32B takes 65.5 GB in bfloat16, more than most Macs have. Split over two Macs, each holds
+# about half. `mlx.launch` starts one copy of this script per process (the README shows how), and
+# mx.distributed.init() connects them: over TCP by default (MLX's `ring` backend), with RDMA over
+# Thunderbolt 5 (`jaccl`), or with NCCL between CUDA GPUs. The processes form a *group* of n, and
+# each knows its *rank*, from 0 to n-1. all_sum(x) is the one exchange: every process hands in an
+# array of the same shape, and every one gets back their sum. Save these three lines as sum.py and
+# run `mlx.launch -n 2 python sum.py`. Two processes start here, hand in 1 and 2, and both print 3.
+#     import mlx.core as mx
+#     group = mx.distributed.init()
+#     print(f"process {group.rank()}: {mx.distributed.all_sum(mx.array(group.rank() + 1))}")
 #
-# A matrix product splits two ways. By rows of W (output channels), each process computes its own
-# outputs: no exchange. By columns (the inner dimension), with two processes: cut the input h
-# (seq, 2048) into halves h₀, h₁ and W (1024, 2048) into the matching columns W₀, W₁; then
-# y = h Wᵀ = h₀W₀ᵀ + h₁W₁ᵀ, process 0 computing the first product, process 1 the second, and one
-# all_sum adds them up, on both. A block uses each where it fits:
-# - attention: each process keeps whole heads, 16/n query heads and 8/n key/value heads (rows of
-#   q_proj, k_proj, v_proj), so it attends, and caches keys and values, on its own; its heads'
-#   output is its h_rank, which meets the others' in o_proj, whose matching columns it keeps.
-# - the feed-forward: each keeps 3072/n of the intermediate channels (rows of gate_proj and
-#   up_proj, columns of down_proj): silu_gate works channel by channel.
-# Two all_sums per block; everything else (embeddings, norms, the LM head, sampling with one seed)
-# is whole and identical on every process, so all pick the same token. Each all_sum is a round
-# trip over the link, and its latency sets the cost: 56 per token for Qwen3-0.6B, 665 µs each over
-# TCP on an H200's loopback, made both runtimes decode 15x slower than one process
-# (docs/performance.md#several-processes). RDMA's microseconds are what make a split pay, for a
-# model too big for one machine. main() makes the split: split_config() for the shapes,
-# use_tensor_parallelism() before the weights are loaded.
+# A product y = x Wᵀ, with W stored (out, in), splits two ways. Split W by rows (output channels),
+# and each process computes its own outputs, with no exchange. Split W by columns (the inner
+# dimension), and each process multiplies its slice of x by its columns: a partial sum of every
+# output, which one all_sum completes. Megatron-LM, which writes y = x A with A = Wᵀ, calls these
+# column-parallel and row-parallel layers. A block pairs them, so that each process's outputs of
+# the first are the very slice of x that the second needs:
+#
+#   x -> rms_norm -> q, k, v (its heads) -> attend -> o_proj (its columns) -> all_sum -> + x = h
+#   h -> rms_norm -> gate, up (its units) -> silu_gate -> down_proj (its columns) -> all_sum -> + h
+#
+# Heads attend on their own, so each process computes and caches its own heads' keys and values.
+# silu_gate works unit by unit, so the feed-forward splits by units. Process 0 of 2 holds:
+#   q_proj (1024, 1024)          rows 0-1023 of (2048, 1024): query heads 0-7 of 16
+#   k_proj, v_proj (512, 1024)   rows 0-511 of (1024, 1024): key/value heads 0-3 of 8
+#   o_proj (1024, 1024)          columns 0-1023 of (1024, 2048): what heads 0-7 wrote
+#   gate_proj, up_proj (1536, 1024), down_proj (1024, 1536): units 0-1535 of 3072
+#   whole copies: embed_tokens (151936, 1024), which is also the LM head, and every norm
+# That is 0.75 GB of Qwen3-0.6B in bfloat16, against 1.19 GB whole (the embedding table is a large
+# part of a small model). Of Qwen3-32B, each of 2 processes holds 34.3 GB, and each of 4, 18.7 GB.
+# All sample with one seed from the same logits, so all pick the same token. Only process 0 reads
+# the prompt and prints, and it shares what it reads (cli.join).
+#
+# Each all_sum is a round trip over the link: 56 per token for Qwen3-0.6B's 28 blocks. Over TCP,
+# their latency made a split model decode many times slower than one process (docs/performance.md).
+# RDMA's microseconds make a split pay, for a model too big for one machine. The other way to split
+# is pipeline parallelism: each machine holds whole layers, say 0-31 and 32-63, and a token crosses
+# the link once per machine boundary. But the machines take turns, each idle while the other
+# computes, unless several sequences are in flight: one conversation gains memory but no speed.
+# mlx-lm pipelines some large models (DeepSeek's) and splits Qwen3 by tensors, as here. main()
+# makes the split: split_config() for the shapes, use_tensor_parallelism() before loading.
 
 SPLIT_ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # out channels: heads, units
 SPLIT_COLUMNS = ("o_proj", "down_proj")  # in channels: the same heads and units
@@ -1047,7 +1058,7 @@ def main(argv=None):
         weights = load_weights(model_dir, config, dtype)
     cli.wire_weights(weights)  # on a Mac, keep them resident
     config = shares  # from here on, this process's share
-    eos_ids = cli.eos_token_ids(generation_config, tokenizer)
+    eos_ids = load_eos_ids(model_dir, tokenizer)  # section 11
     max_tokens = cli.max_tokens(args, config.max_position_embeddings)
     how = None if args.trace else cli.describe(sampling, min_p, presence_penalty)  # trace: no draw
 
@@ -1058,8 +1069,8 @@ def main(argv=None):
         print(f"Chat: {how}, up to {max_tokens} tokens per reply. {cli.CHAT_HELP}.",
               file=sys.stderr)
         chat = Chat(weights, config, tokenizer, args.system, think=not args.no_think)
-        return cli.chat_loop(chat, max_tokens, sampling, eos_ids, args.hide_think, new_reply,
-                             group, counts)
+        return cli.chat_loop(chat, text_stream, max_tokens, sampling, eos_ids, args.hide_think,
+                             new_reply, group, counts)
     text = chat_prompt(prompt, args.system, not args.no_think) if args.chat else prompt
     prompt_ids = tokenize(tokenizer, text)
     cli.check_prompt(prompt_ids, config, max_tokens, args.trace)
@@ -1078,8 +1089,8 @@ def main(argv=None):
                                progress=cli.PREFILL.show)
     # --top-probs shows the probabilities the first token is drawn from (sections 10, 17) too
     drawn = lambda logits: filter_min_p(filter_logits(logits, sampling), min_p)
-    return cli.complete(tokens, tokenizer, args, len(prompt_ids), drawn if sampling.temperature
-                        else None, counts)
+    return cli.complete(tokens, tokenizer, text_stream, args, len(prompt_ids),
+                        drawn if sampling.temperature else None, counts)
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ def test_reset_then_the_same_first_message_gives_the_same_reply(model, monkeypat
     chat = make_chat(model)
     n_prompt = len(chat.prompt_ids("One"))
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"One\n/reset\nOne\n")))
-    cli.chat_loop(chat, 16, li.Sampling(), {end}, hide_think=False)
+    cli.chat_loop(chat, li.text_stream, 16, li.Sampling(), {end}, hide_think=False)
     out, err = capsys.readouterr()
     # The printer shows the end id, an ordinary token here (<|im_end|>, being special, shows nothing).
     text = model[3].decode(before_end + [end], skip_special_tokens=True).rstrip("\ufffd")
@@ -328,7 +328,7 @@ def talk(chat, monkeypatch, data, max_tokens=2, sampling=li.Sampling()):
 
     monkeypatch.setattr(chat, "reply", reply)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
-    assert cli.chat_loop(chat, max_tokens, sampling, {IM_END}, hide_think=False) == 0  # end of input, /exit
+    assert cli.chat_loop(chat, li.text_stream, max_tokens, sampling, {IM_END}, hide_think=False) == 0  # end of input, /exit
     return sent
 
 
@@ -588,7 +588,7 @@ def test_each_chat_reply_has_its_own_presence_penalty(model, monkeypatch):
     chat = make_chat(model)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"One\nOne\n")))
     new_reply = li.use_extra_sampling(0.0, 2.0, config.vocab_size)
-    assert cli.chat_loop(chat, 40, li.Sampling(), {IM_END}, hide_think=False, new_reply=new_reply) == 0
+    assert cli.chat_loop(chat, li.text_stream, 40, li.Sampling(), {IM_END}, hide_think=False, new_reply=new_reply) == 0
     expected = make_chat(model)
     for message in ("One", "One"):
         reply = penalised_from_scratch(model, expected.prompt_ids(message), 2.0, 40)

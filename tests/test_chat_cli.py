@@ -251,7 +251,7 @@ def printed(reference, monkeypatch, text, hide_think, tty, stop_after=None):
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(sys, "stderr", err)
     monkeypatch.delenv("NO_COLOR", raising=False)
-    printer = cli.ReplyPrinter(reference.tokenizer, hide_think)
+    printer = cli.ReplyPrinter(reference.tokenizer, li.text_stream, hide_think)
     for token_id in (reference.ids(text) + [151645])[:stop_after]:
         printer.add(token_id)
     printer.finish()
@@ -293,7 +293,7 @@ def test_a_reply_stopped_while_thinking_restores_the_colour(reference, monkeypat
 def test_no_color_turns_colours_off(reference, monkeypatch):
     monkeypatch.setattr(sys, "stdout", Stream(True))
     monkeypatch.setenv("NO_COLOR", "1")
-    assert not cli.ReplyPrinter(reference.tokenizer, False).colour
+    assert not cli.ReplyPrinter(reference.tokenizer, li.text_stream, False).colour
 
 
 # ------------------------------------------------------------------------------------------------
@@ -460,7 +460,7 @@ def test_on_a_terminal_a_line_that_is_not_utf8_is_skipped_in_one_line(reference,
 
     chat = li.Chat(reference.weights, reference.config, reference.tokenizer)
     monkeypatch.setattr(sys, "stdin", TerminalStdin(io.BytesIO(b"caf\xe9\nHi\n"), errors="strict"))
-    cli.chat_loop(chat, 2, li.Sampling(), reference.eos_ids, hide_think=False)
+    cli.chat_loop(chat, li.text_stream, 2, li.Sampling(), reference.eos_ids, hide_think=False)
     # After the prompt `>>> `: a terminal would have echoed the typed line and its newline.
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "not valid UTF-8" in errors[0]
@@ -514,7 +514,7 @@ def test_ctrl_c_before_a_reply_begins_leaves_the_chat_as_it_was(tiny_model, refe
 
     monkeypatch.setattr(chat, "prompt_ids", prompt_ids)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hi\nHello\n")))
-    cli.chat_loop(chat, 4, li.Sampling(), reference.eos_ids, hide_think=False)
+    cli.chat_loop(chat, li.text_stream, 4, li.Sampling(), reference.eos_ids, hide_think=False)
     err = capsys.readouterr().err.splitlines()
     assert err[0] == "Interrupted."
     assert [int(t[2]) for t in turn_lines("\n".join(err))] == [1]  # "Hello" was answered
@@ -535,7 +535,7 @@ def test_ctrl_c_waits_for_the_queued_step(reference, monkeypatch, capsys):
                 raise KeyboardInterrupt
             yield token_id, logits
 
-    interrupted, _, _ = cli.stream(interrupted_after_two(), cli.ReplyPrinter(reference.tokenizer, False))
+    interrupted, _, _ = cli.stream(interrupted_after_two(), cli.ReplyPrinter(reference.tokenizer, li.text_stream, False))
     assert interrupted
     assert len(events) == 3 and events[2] == "synchronize"  # two tokens, then the wait
 
@@ -591,7 +591,7 @@ def test_on_a_terminal_with_stdout_redirected_the_prompts_go_to_stderr(reference
 
     chat = li.Chat(reference.weights, reference.config, reference.tokenizer)
     monkeypatch.setattr(sys, "stdin", TerminalStdin(io.BytesIO(b'Hi\n"""\nTwo\nlines\n"""\n')))
-    cli.chat_loop(chat, 2, li.Sampling(), reference.eos_ids, hide_think=False)
+    cli.chat_loop(chat, li.text_stream, 2, li.Sampling(), reference.eos_ids, hide_think=False)
     out, err = capsys.readouterr()
     assert ">>>" not in out and "..." not in out
     assert err.count(">>> ") == 3 and err.count("... ") == 3

@@ -139,7 +139,7 @@ class Reference:
         self.config = li.load_config(folder)
         self.tokenizer = li.load_tokenizer(folder)  # parsed once per file (tests/conftest.py)
         self.weights = load_model(folder, dtype, bits)[1]
-        self.eos_ids = cli.eos_token_ids(cli.load_generation_config(folder), self.tokenizer)
+        self.eos_ids = li.load_eos_ids(folder, self.tokenizer)
 
     def ids(self, text):
         return self.tokenizer.encode(text).ids

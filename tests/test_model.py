@@ -153,7 +153,29 @@ def test_generate_stops_at_end_of_sequence(checkpoint):
     stop = free[5]
     stopped = tokens(li.generate(ids, weights, config, max_tokens=12, eos_ids={stop}))
     assert stopped == free[: free.index(stop) + 1]  # the end-of-sequence token is yielded, then it stops
-    assert cli.eos_token_ids(cli.load_generation_config(folder), tokenizer) == {151643, 151645}
+    assert li.load_eos_ids(folder, tokenizer) == {151643, 151645}
+
+
+@pytest.mark.parametrize("generation_config", [None, {"eos_token_id": 151643},
+                                               {"eos_token_id": None}, {"eos_token_id": [7, 8]}])
+def test_end_of_sequence_ids_come_from_generation_config(reference, tmp_path, generation_config):
+    """A missing file, one id or none: <|im_end|> and <|endoftext|> still end a reply."""
+    if generation_config is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation_config))
+    listed = (generation_config or {}).get("eos_token_id") or []
+    expected = {151643, 151645} | set(listed if isinstance(listed, list) else [listed])
+    assert li.load_eos_ids(tmp_path, reference.tokenizer) == expected
+
+
+def test_text_stream_holds_a_split_character_until_it_is_whole(reference):
+    tokenizer = reference.tokenizer
+    ids = li.tokenize(tokenizer, "Parrot:🦜, 龘.<|im_end|>")
+    # 🦜 is two tokens, and 龘 (after a space) three: each alone decodes to "�".
+    assert ids == [4272, 4640, 25, 123918, 250, 11, 18137, 122, 246, 13, 151645]
+    text = li.text_stream(tokenizer)
+    pieces = [text(token_id) for token_id in ids]
+    assert pieces == ["Par", "rot", ":", "", "🦜", ",", "", "", " 龘", ".", ""]  # no <|im_end|>
+    assert li.detokenize(tokenizer, ids).endswith("龘.<|im_end|>")
 
 
 def test_tokenize_and_chat_tokens(checkpoint):
