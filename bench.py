@@ -518,16 +518,16 @@ PLAIN = {}  # li.make_cache and li.generate_long as section 22 found them (set b
 
 
 def ours_drafted(weights, config, draft, k, sampling):
-    """(run, stats): our generation, drafting k tokens a round with draft = (weights, config); stats
-    holds the last run's proposed and accepted proposals, and its target passes."""
+    """(run, rounds): our generation, drafting k tokens a round with draft = (weights, config);
+    rounds: the last run's (accepted, proposed) per target pass."""
     li.replace(**PLAIN)
-    counts = li.use_speculative(draft, k)
+    rounds = li.use_speculative(draft, k)
     drafted = {name: getattr(li, name) for name in PLAIN}
 
     def run(prompt, n):
         li.replace(**drafted)
         return (token for token, _ in li.generate_long(prompt, weights, config, n, sampling))
-    return run, counts
+    return run, rounds
 
 
 def ours_plain(weights, config, sampling):
@@ -538,29 +538,33 @@ def ours_plain(weights, config, sampling):
 
 
 def mlx_lm_drafted(model, draft_model, k, sampling):
-    """(run, stats): mlx-lm's speculative_generate_step (draft_model None: generate_step). Its
-    rounds: one per token the target picked, plus one if the last token came from the draft."""
+    """(run, rounds): mlx-lm's speculative_generate_step (draft_model None: generate_step). Its
+    rounds: one per token the target picked, plus one if the last came from the draft, each taken
+    to propose k (the last may have proposed fewer)."""
     from mlx_lm.generate import generate_step, speculative_generate_step
     from mlx_lm.sample_utils import make_sampler
 
     sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p)
-    stats = {}
+    rounds = []
 
     def run(prompt, n):
         if draft_model is None:
             yield from (token for token, _ in generate_step(mx.array(prompt), model, max_tokens=n,
                                                              sampler=sampler))
             return
-        stats.update(accepted=0, passes=0)
+        rounds.clear()
+        accepted = 0
         for token, _, from_draft in speculative_generate_step(
                 mx.array(prompt), model, draft_model, num_draft_tokens=k, max_tokens=n,
                 sampler=sampler):
-            stats["accepted"] += from_draft
-            stats["passes"] += not from_draft
+            accepted += from_draft
+            if not from_draft:
+                rounds.append((accepted, k))
+                accepted = 0
             yield token
-        stats["passes"] += bool(from_draft)
-        stats["proposed"] = k * stats["passes"]  # its last round may have proposed fewer
-    return run, stats if draft_model is not None else None
+        if accepted:
+            rounds.append((accepted, k))
+    return run, rounds if draft_model is not None else None
 
 
 def pass_ms(weights, config, positions, context=128, reps=20):
@@ -632,14 +636,14 @@ def compare(runners, prompt, n, reps):
     speeds, stats, tokens = {name: [] for name in runners}, {name: [] for name in runners}, {}
     for rep in range(reps):
         for name in (list(runners) if rep % 2 == 0 else list(runners)[::-1]):
-            run, counts = runners[name]
+            run, rounds = runners[name]
             result = timed(run, prompt, n)
             speeds[name].append(result["decode"])
             tokens.setdefault(name, result["tokens"])
-            if counts:
+            if rounds is not None:
+                accepted, proposed = map(sum, zip(*rounds))
                 first = name == "ours"  # our first token comes from the prefill pass
-                stats[name].append((counts["accepted"] / counts["proposed"],
-                                    (n - first) / counts["passes"]))
+                stats[name].append((accepted / proposed, (n - first) / len(rounds)))
     summary = {}
     for name in runners:
         acc = f"{statistics.median(a for a, _ in stats[name]):.0%}" if stats[name] else "-"

@@ -300,32 +300,30 @@ def check_split(model_dir, config, n, bits, stored, can_split):
                           f"quantization groups): use {', '.join(counts)}")
 
 
-def check_draft(args, config, tokenizer, read_config, layer_shapes, read_tokenizer):
-    """--draft-model's folder (section 22), found and checked as --model's, that can serve this
-    model: the same vocabulary, token for token. Returns (folder, its config, its "quantization"),
-    or None. read_config, layer_shapes, read_tokenizer: llm_inference's functions of those names."""
+def check_draft(args, model_dir, config, read_config, layer_shapes, read_tokenizer):
+    """--draft-model's folder, checked as --model's, able to serve the model (section 22); returns
+    (folder, its config, its "quantization") or None. read_...: llm_inference's load_config, ..."""
     if not args.draft_model:
         return None
     if mx.distributed.init().size() > 1:  # each process would need its share of the draft too
         raise SharedError("--draft-model runs in one process only: drop it under mlx.launch")
     fields, name = type(config).__annotations__, f"--draft-model {args.draft_model}"
     folder = find_model(args.draft_model, not args.no_download, fields)
-    stored = check_config(folder, fields)  # stored quantized, it is read as stored
-    draft = read_config(folder)
-    if draft.vocab_size != config.vocab_size:  # its q and the model's p would not line up
+    stored, draft = check_config(folder, fields), read_config(folder)  # stored quantized: as is
+    if draft.vocab_size != config.vocab_size:  # q and p would not line up
         raise UserError(f"{name} has {draft.vocab_size} vocabulary entries, the model "
                         f"{config.vocab_size}: a draft needs the model's vocabulary")
     draft = check_weights(folder, draft, stored, layer_shapes(draft))
-    with reading(Path(folder) / "tokenizer.json"):
-        same = read_tokenizer(folder).get_vocab(True) == tokenizer.get_vocab(True)
-    if not same:  # the same id would stand for another token
-        raise UserError(f"{name} has another tokenizer (its tokenizer.json maps ids to other "
-                        "tokens): a draft needs the model's tokenizer")
+    tokens = lambda where: (Path(where) / "tokenizer.json").read_bytes()
+    with reading(Path(folder) / "tokenizer.json"):  # the same file, or the same ids for the tokens
+        if tokens(folder) != tokens(model_dir) and (read_tokenizer(folder).get_vocab(True)
+                                                    != read_tokenizer(model_dir).get_vocab(True)):
+            raise UserError(f"{name} has another tokenizer (its tokenizer.json maps ids to other "
+                            "tokens): a draft needs the model's tokenizer")
     size = lambda c: sum(math.prod(shape) for shape in tensor_shapes(c, layer_shapes(c)).values())
     if size(draft) > size(config):
-        print(f"warning: {name} has more weights than the model ({size(draft) / 1e9:.2f} "
-              f"billion against {size(config) / 1e9:.2f}): drafting with it slows decoding down",
-              file=sys.stderr)
+        print(f"warning: {name} has more weights than the model: drafting with it slows decoding "
+              "down", file=sys.stderr)
     return folder, draft, stored
 
 
@@ -551,7 +549,6 @@ def find_model(model_arg, allow_download, fields):
 
 DEFAULT_PROMPT = "The capital of France is"
 MAX_TOKENS, CHAT_MAX_TOKENS = 100, 8192  # 8192: enough to finish thinking, mostly (README, Chat)
-NUM_DRAFT_TOKENS = 3  # --num-draft-tokens' default, chosen from docs/performance.md's measurements
 # Qwen's recommended sampling (model card); in thinking mode generation_config.json's win.
 QWEN3_THINKING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
 QWEN3_NO_THINK = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
@@ -653,8 +650,8 @@ def parse_args(argv):
     add("--draft-model", type=model_name, help="a smaller Qwen3 with the same tokenizer (a folder "
         "or repo id) that proposes tokens for the model to check: the same text, sooner where "
         "reading the weights limits decoding (speculative decoding, section 22)")
-    add("--num-draft-tokens", type=number(int, "count"), default=NUM_DRAFT_TOKENS, metavar="N",
-        help=f"tokens the draft proposes per round ({NUM_DRAFT_TOKENS}; docs/performance.md)")
+    add("--num-draft-tokens", type=number(int, "count"), default=3, metavar="N",
+        help="tokens the draft proposes per round (%(default)s, chosen in docs/performance.md)")
     lab = ap.add_argument_group("experiments (README, Experiments)").add_argument
     lab("--top-probs", type=number(int, "count"), metavar="N",
         help="print the N likeliest first tokens and their probabilities")
@@ -958,18 +955,18 @@ def stream(tokens, printer, on_first_logits=None):
     return interrupted, first - start - PREFILL.spent, end - first - untimed
 
 
-def drafted(counts, n):
-    """' | Draft: 40/48 accepted, ...' for n tokens from a speculative run (section 22), else ''."""
-    if not counts or not counts["passes"]:
+def drafted(rounds, n):
+    """' | Draft: 40/48 accepted (83%), ...' for n tokens and section 22's rounds, else ''."""
+    if not rounds:
         return ""
-    accepted, proposed = counts["accepted"], counts["proposed"]
+    accepted, proposed = map(sum, zip(*rounds))
     return (f" | Draft: {accepted}/{proposed} accepted ({accepted / proposed:.0%}), "
-            f"{(n - 1) / counts['passes']:.2f} tokens per target pass")
+            f"{(n - 1) / len(rounds):.2f} tokens per target pass")  # the first: the prefill's
 
 
-def complete(tokens, tokenizer, text_stream, args, n_prompt, drawn=None, counts=None):
+def complete(tokens, tokenizer, text_stream, args, n_prompt, drawn=None, rounds=None):
     """Print a completion as it comes (and --top-probs' table), then the statistics; exit code.
-    counts: section 22's, when a draft model proposes the tokens."""
+    rounds: section 22's, when a draft model proposes the tokens."""
     printer = ReplyPrinter(tokenizer, text_stream, args.hide_think)
     top_probs = args.top_probs and (lambda logits: print_top_probs(
         logits, tokenizer, args.top_probs, drawn=drawn))
@@ -978,7 +975,7 @@ def complete(tokens, tokenizer, text_stream, args, n_prompt, drawn=None, counts=
     print(f"{'Interrupted. ' if interrupted else ''}Prompt: {plural(n_prompt, 'token')}"
           f"{rate(n_prompt if n else 0, prefill_s)} | Generated: {plural(n, 'token')}"
           f"{rate(n - 1, decode_s)} | Total: {prefill_s + decode_s:.2f} s | Peak memory: "
-          f"{mx.get_peak_memory() / 1e9:.2f} GB{drafted(counts, n)}", file=status(interrupted))
+          f"{mx.get_peak_memory() / 1e9:.2f} GB{drafted(rounds, n)}", file=status(interrupted))
     return 130 if interrupted else 0
 
 
@@ -1058,9 +1055,9 @@ def check_chat_room(n_format, max_tokens, context, system):
 
 
 def chat_loop(chat, text_stream, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda: None,
-              group=None, counts=None):
+              group=None, rounds=None):
     """Talk until end of input, Ctrl-D or /exit; new_reply() runs before each reply (section 17);
-    counts: section 22's, when a draft model proposes the tokens."""
+    rounds: section 22's, when a draft model proposes the tokens."""
     interactive = sys.stdin.isatty()
     if interactive:
         if hasattr(sys.stdin, "reconfigure"):  # bytes not UTF-8 then reach as_text: one line
@@ -1108,7 +1105,7 @@ def chat_loop(chat, text_stream, max_tokens, sampling, eos_ids, hide_think, new_
             print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: {chat.reused} tokens "
                   f"reused from the cache, {chat.prefilled} prefilled at {prefill:.1f} tok/s | "
                   f"Reply: {plural(n, 'token')}{thinking}{rate(printer.n_tokens - 1, decode_s)}"
-                  f"{drafted(counts, printer.n_tokens)}",
+                  f"{drafted(rounds, printer.n_tokens)}",
                   file=status(interrupted))
         if interrupted and group and group.size() > 1:  # the others wait in step: the chat ends
             return 130

@@ -213,22 +213,25 @@ def test_a_drafted_chat_replies_as_an_undrafted_one(tiny_model, converted_4bit, 
     """--draft-model in a chat: both caches live for the whole conversation. Over several turns, a
     /reset and make_room's dropping of the oldest turns, the greedy replies with the model's 4-bit
     copy drafting (it accepts some proposals, rejects others) are those without a draft."""
-    config = json.loads((tiny_model / "config.json").read_text()) | {"max_position_embeddings": 64}
+    config = json.loads((tiny_model / "config.json").read_text()) | {"max_position_embeddings": 35}
     folder = variant("short-context", config_json=config)
-    messages = b"One\nTwo\n/reset\nThree\nFour\nFive\nSix\n"
     runs = []
     for flags in ([], ["--draft-model", str(converted_4bit), "--num-draft-tokens", "2"]):
-        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(messages)))
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"One\n/reset\nTwo\nThree\n")))
         assert li.main(["--model", str(folder), "--chat", "--no-think", "--temperature", "0",
-                        "--max-tokens", "10", *flags]) == 0
+                        "--max-tokens", "6", *flags]) == 0
         runs.append(capsys.readouterr())
     assert runs[1].out == runs[0].out
     lines = runs[1].err.splitlines()
     assert "(conversation reset)" in lines
-    assert any(line.startswith("(the conversation outgrew the 64-token context") for line in lines)
+    assert any(line.startswith("(the conversation outgrew the 35-token context") for line in lines)
+    turns = [[TURN.match(line.split(" | Draft: ")[0]) for line in run.err.splitlines()
+              if line.startswith("Turn ")] for run in runs]
+    # The same tokens reused from the cache, prefilled and replied, turn by turn.
+    assert [t.group(2, 3, 4, 5) for t in turns[1]] == [t.group(2, 3, 4, 5) for t in turns[0]]
     counts = [re.search(r" \| Draft: (\d+)/(\d+) accepted", line) for line in lines
-              if TURN.match(line.split(" | Draft: ")[0])]
-    assert len(counts) == 6 and all(counts)
+              if line.startswith("Turn ")]
+    assert len(counts) == 3 and all(counts)
     assert 0 < sum(int(c[1]) for c in counts) < sum(int(c[2]) for c in counts)
 
 
