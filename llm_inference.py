@@ -970,6 +970,7 @@ def use_speculative(draft, k, min_p=0.0):
             start, proposals = target[0].offset, mx.concatenate(proposals)  # (k,)
             logits = forward(mx.concatenate([mx.array([token]), proposals]), weights, config,
                              target, last_only=False)  # 2. verify: (k + 1, vocab)
+            mx.async_eval(logits)  # the GPU runs the pass while the rest of the round is recorded
             p = mx.stack([distribution(row, sampling, min_p) for row in logits])
             key, test_key, draw_key = mx.random.split(key, 3)
             passed, extra = verify(p, mx.stack(q), proposals, test_key, draw_key)  # 3. accept
