@@ -650,7 +650,7 @@ def parse_args(argv):
     add("--draft-model", type=model_name, help="a smaller Qwen3 with the same tokenizer (a folder "
         "or repo id) that proposes tokens for the model to check: the same text, sooner where "
         "reading the weights limits decoding (speculative decoding, section 22)")
-    add("--num-draft-tokens", type=number(int, "count"), default=3, metavar="N",
+    add("--num-draft-tokens", type=number(int, "count"), default=2, metavar="N",
         help="tokens the draft proposes per round (%(default)s, chosen in docs/performance.md)")
     lab = ap.add_argument_group("experiments (README, Experiments)").add_argument
     lab("--top-probs", type=number(int, "count"), metavar="N",
