@@ -247,10 +247,10 @@ def quantization_error(model_dir, config, weights):
     stored, names = li.load_tensors(model_dir), checkpoint_names(config)
     errors = {}
     for short in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-        w = stored[f"model.layers.0.{names[short]}"].astype(mx.float32)
         q = weights["layers"][0][short]
-        if not isinstance(q, li.Quantized):  # rows that do not split into groups stay as they are
+        if not isinstance(q, li.Quantized) or q.packed.ndim > 2:  # not quantized, or experts
             continue
+        w = stored[f"model.layers.0.{names[short]}"].astype(mx.float32)
         q = q._replace(scales=q.scales.astype(mx.float32), biases=q.biases.astype(mx.float32))
         x = mx.random.normal((64, w.shape[1]), key=mx.random.key(3))
         exact = x @ w.T
@@ -266,7 +266,12 @@ def by_checkpoint_name(weights, config):
              "lm_head.weight": weights["lm_head"]}
     names = checkpoint_names(config)
     for i, layer in enumerate(weights["layers"]):
-        named |= {f"model.layers.{i}.{names[short]}": w for short, w in layer.items()}
+        for short, w in layer.items():
+            name = names[short]
+            if layer.get("gate") is not None and short in ("gate_proj", "up_proj", "down_proj"):
+                name = name.replace("mlp.", "mlp.switch_mlp.")  # stacked experts, as mlx-lm names them
+            if w is not None:  # (None: a dense block's router, section 21)
+                named[f"model.layers.{i}.{name}"] = w
     arrays = {}
     for name, w in named.items():
         if isinstance(w, li.Quantized):
@@ -279,7 +284,7 @@ def by_checkpoint_name(weights, config):
 
 def check_request(model_dir, bits, longest):
     """What bench.py asks of a folder beyond what the command line checks: one line each."""
-    stored = cli.check_config(model_dir, li.Config.__annotations__)
+    stored = cli.check_config(model_dir, li.MODEL_TYPES)
     config = li.load_config(model_dir)
     if bits and stored:  # mlx-lm would quantize the packed integers again
         raise cli.UserError(f"{model_dir} is already quantized to {stored.get('bits')} bits: drop "
@@ -331,10 +336,11 @@ def main():
     ap = cli.ArgumentParser(description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     count = cli.number(int, "count")
-    ap.add_argument("--model", type=cli.model_name,
-                    help="checkpoint folder or Hugging Face repo id (default: ./Qwen3-0.6B if present, "
-                         "else random weights)")
-    ap.add_argument("--tiny", action="store_true", help="random 2-layer model instead of the 0.6B shape")
+    which = ap.add_mutually_exclusive_group().add_argument  # --tiny is a model too
+    which("--model", type=cli.model_name,
+          help="checkpoint folder or Hugging Face repo id (default: ./Qwen3-0.6B if present, "
+               "else random weights)")
+    which("--tiny", action="store_true", help="random 2-layer model instead of the 0.6B shape")
     ap.add_argument("--device", choices=["cpu", "gpu"], help="default: MLX's default device")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                     help="activations (and quantization scales); auto = bfloat16 on a GPU, float32 on the CPU")
@@ -403,9 +409,9 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path("Qwen3-0.6B")
-        if args.model and not args.tiny:  # a folder, or a repo id, downloaded once as the CLI does
+        if args.model:  # a folder, or a repo id, downloaded once as the CLI does
             try:
-                model_dir = cli.find_model(args.model, True, li.Config.__annotations__)
+                model_dir = cli.find_model(args.model, True, li.MODEL_TYPES)
             except cli.UserError as e:
                 sys.exit(f"bench.py: error: {e}")
         if args.tiny or not (model_dir / "config.json").exists():
@@ -424,14 +430,17 @@ def main():
             drafts = [load_draft_pair(spec, model_dir, dtype) for spec in args.draft_model or []]
         except cli.UserError as e:
             sys.exit(f"bench.py: error: {e}")
-        stored_bits = cli.check_config(model_dir, li.Config.__annotations__).get("bits")  # a folder stored quantized
+        stored_bits = cli.check_config(model_dir, li.MODEL_TYPES).get("bits")  # a folder stored quantized
         if args.quantize:
             errors = quantization_error(model_dir, config, weights)
             print(f"{args.quantize}-bit quantization, relative error of layer 0's products (‖x Ŵᵀ - x Wᵀ‖ / "
                   f"‖x Wᵀ‖): " + ", ".join(f"{name} {e:.4f}" for name, e in errors.items()))
 
-    unique = {id(w): w for w in by_checkpoint_name(weights, config).values()}  # a tied head once
-    weight_bytes = sum(w.nbytes for w in unique.values())
+    unique = {id(w): (name, w) for name, w in by_checkpoint_name(weights, config).items()}  # a tied head once
+    weight_bytes = sum(w.nbytes for _, w in unique.values())
+    # What a token reads: of a block's stacked experts (section 21), only the ones it picks.
+    share = lambda name: config.num_experts_per_tok / config.num_experts if ".switch_mlp." in name else 1
+    read_bytes = sum(w.nbytes * share(name) for name, w in unique.values())
     blas = f", {'OpenBLAS' if cli.OPENBLAS else 'bundled BLAS'}" if cli.MLX_CPU_WHEEL else ""
     bits = f", {args.quantize or stored_bits}-bit weights" if args.quantize or stored_bits else ""
     print(f"MLX {mx.__version__}, device {mx.default_device()}{blas}, dtype {str(dtype).split('.')[-1]}{bits}, "
@@ -470,13 +479,13 @@ def main():
                 results[name].append(timed(runners[name], prompt, n))
         same = sum(a == b for a, b in zip(results["ours"][0]["tokens"], results["mlx-lm"][0]["tokens"]))
         kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.size
-        ceiling = bandwidth * 1e9 / (weight_bytes + kv_bytes * (length + n / 2))
+        ceiling = bandwidth * 1e9 / (read_bytes + kv_bytes * (length + n / 2))
         med = {name: {k: statistics.median(r[k] for r in rs) for k in ("ttft", "prefill", "decode", "peak")}
                for name, rs in results.items()}
         rows.append((length, n, med, same, ceiling))
 
     print(f"memory bandwidth (1 GiB matrix-vector product): {bandwidth:.0f} GB/s; the decode "
-          "ceiling assumes each token reads every weight and the KV cache once at that rate; "
+          "ceiling assumes each token reads every weight (of experts, its own) and the KV cache once at that rate; "
           f"{medians_of(args.reps)} after a warm-up")
     print(f"{'prompt':>6} {'runtime':>7} {'TTFT ms':>9} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak GB':>8}")
     for length, n, med, same, ceiling in rows:
@@ -670,8 +679,8 @@ def distributed_model_dir(args, group, tmp):
     """--model (never downloaded here: several processes would download into one folder at once),
     else ./Qwen3-0.6B, else random weights that each process writes for itself (the same ones)."""
     model_dir = Path("Qwen3-0.6B")
-    if args.model and not args.tiny:
-        model_dir = cli.find_model(args.model, group.size() == 1, li.Config.__annotations__)
+    if args.model:
+        model_dir = cli.find_model(args.model, group.size() == 1, li.MODEL_TYPES)
     if args.tiny or not (model_dir / "config.json").exists():
         from tests.checkpoint import TINY_CONFIG, write_checkpoint
 

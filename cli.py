@@ -37,7 +37,16 @@ except OSError:  # not installed: OPENBLAS_HINT says how to install it
 OPENBLAS_HINT = ("Hint: this CPU runs float32 faster with OpenBLAS, which this script uses once "
                  "installed: sudo apt-get install libopenblas0-pthread")
 
-import mlx.core as mx  # noqa: E402 (after the preload)
+RUNTIME = ("mlx", "tokenizers", "huggingface_hub")  # requirements.txt's packages
+# One of them missing: most likely, Python was started outside the project's virtual environment.
+NOT_INSTALLED = ("%s: error: the package %s is not installed here: activate the virtual "
+                 "environment (. .venv/bin/activate), or pip install -r requirements.txt")
+try:
+    import mlx.core as mx  # noqa: E402 (after the preload)
+except ModuleNotFoundError as e:
+    if e.name not in RUNTIME:  # a module missing inside MLX itself: its traceback
+        raise
+    sys.exit(NOT_INSTALLED % (Path(sys.argv[0]).name, e.name))  # llm_inference.py or bench.py
 
 HF_REPO = "Qwen/Qwen3-0.6B"
 SCRIPT_DIR = Path(__file__).resolve().parent  # llm_inference.py's folder, where models may be
@@ -97,18 +106,18 @@ def name_of(dtype):
 # --- The model folder: everything llm_inference.py's loaders assume, each failure one line -------
 
 def check_config(model_dir, fields, bits=None):
-    """Check config.json: a dense Qwen3 with every field of llm_inference.Config (fields: name ->
-    type). Returns its "quantization" entry ({} for weights stored as floats). bits: --quantize."""
+    """Check config.json: a Qwen3 with every field its model_type needs (fields: name -> type, or
+    for each model_type, llm_inference.MODEL_TYPES). Returns its "quantization" entry ({} for
+    weights stored as floats). bits: --quantize."""
     path = Path(model_dir) / "config.json"
     raw = read_json(path)
     found, rope = raw.get("model_type"), raw.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise UserError(f"{path}: 'rope_parameters' should be an object, got {json.dumps(rope)}")
-    if found == "qwen3_moe":
-        raise UserError(f"{path} describes a mixture-of-experts model (model_type 'qwen3_moe'), "
-                        "which this script does not implement; use a dense Qwen3 model")
-    if found != "qwen3":
-        raise UserError(f"{path} is not a Qwen3 config (model_type is {found!r}, expected 'qwen3')")
+    types = fields if "qwen3" in fields else {"qwen3": fields}
+    if found not in types:
+        raise UserError(f"{path} is not a Qwen3 config (model_type is {found!r}, expected "
+                        f"{' or '.join(map(repr, types))})")
     for feature, asked in {  # variants Part 1 does not implement: refused, not run wrong
         "RoPE scaling": raw.get("rope_scaling") or rope.get("rope_type", "default") != "default",
         "attention bias (attention_bias: true)": raw.get("attention_bias"),
@@ -117,13 +126,19 @@ def check_config(model_dir, fields, bits=None):
         if asked:
             raise UserError(f"{path} asks for {feature}, which this script does not implement")
     raw.setdefault("rope_theta", rope.get("rope_theta"))  # transformers 5 writes it in there
-    kinds = {bool: "true or false", int: "a positive integer", float: "a positive number"}
-    for name, kind in fields.items():
+    kinds = {bool: "true or false", int: "a positive integer", float: "a positive number",
+             tuple: "a list of layer numbers"}
+    for name, kind in types[found].items():
         value = raw.get(name)
         if value is None:
             raise UserError(f"{path} lacks the required key {name!r}")
-        if not (isinstance(value, bool) if kind is bool else is_number(value, kind) and value > 0):
+        if not (isinstance(value, bool) if kind is bool else isinstance(value, list) and all(
+                is_number(i, int) and i >= 0 for i in value) if kind is tuple else
+                is_number(value, kind) and value > 0):
             raise UserError(f"{path}: {name!r} should be {kinds[kind]}, got {json.dumps(value)}")
+    if found == "qwen3_moe" and raw["num_experts_per_tok"] > raw["num_experts"]:
+        raise UserError(f"{path}: 'num_experts_per_tok' ({raw['num_experts_per_tok']}) should be "
+                        f"at most 'num_experts' ({raw['num_experts']})")
     if raw["head_dim"] % 2:  # RoPE turns pairs of channels (section 5)
         raise UserError(f"{path}: 'head_dim' should be even, got {raw['head_dim']}")
     heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
@@ -156,7 +171,7 @@ def check_config(model_dir, fields, bits=None):
 def weight_files(model_dir):
     """The weight files llm_inference.weight_files() reads, with a damaged index as one line."""
     model_dir = Path(model_dir)
-    if (model_dir / "model.safetensors").exists():
+    if os.path.lexists(model_dir / "model.safetensors"):  # a link to nothing: unreadable, said so
         return [model_dir / "model.safetensors"]
     weight_map = read_json(model_dir / WEIGHTS_INDEX).get("weight_map")
     names = set(weight_map.values()) if isinstance(weight_map, dict) else ()
@@ -169,14 +184,16 @@ def weight_files(model_dir):
 
 
 def tensor_shapes(config, layer_shapes):
-    """Every tensor Part 1 loads, with its shape; layer_shapes: one block's (layer_shapes())."""
+    """Every tensor Part 1 loads, with its shape; layer_shapes: one block's (layer_shapes()), or
+    each block's (a list: llm_inference.block_shapes(), for a mixture of experts)."""
     c = config
+    each = layer_shapes if isinstance(layer_shapes, list) else [layer_shapes] * c.num_hidden_layers
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
               "model.norm.weight": (c.hidden_size,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_hidden_layers):
-        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer_shapes.items()}
+    for i, block in enumerate(each):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in block.items()}
     return shapes
 
 
@@ -189,22 +206,28 @@ def check_weights(model_dir, config, stored, layer_shapes):
             path.open("rb").close()  # the OS's reason (no such file, a directory): MLX's is vaguer
             tensors |= {name: (path, tensor) for name, tensor in mx.load(str(path)).items()}
     where = files[0] if len(files) == 1 else f"the sharded checkpoint {model_dir}"
-    first = next(iter(layer_shapes))
+    first = next(iter(layer_shapes[0] if isinstance(layer_shapes, list) else layer_shapes))
     for i in range(config.num_hidden_layers):  # before listing 10**9 layers' tensors, say
         if f"model.layers.{i}.{first}" not in tensors:
             raise UserError(f"{where} lacks the tensor 'model.layers.{i}.{first}'")
     floats = (mx.bfloat16, mx.float16, mx.float32)
     untied = config._replace(tie_word_embeddings=False)  # a tied checkpoint's head may be used
     shapes = tensor_shapes(untied if "lm_head.weight" in tensors else config, layer_shapes)
+    for name in [name for name in shapes if ".experts.0." in name]:
+        stacked = name.replace(".experts.0.", ".switch_mlp.")  # mlx_lm.convert stacks them
+        if stacked in tensors:
+            shapes[stacked] = (config.num_experts, *shapes[name])
+            for e in range(config.num_experts):
+                del shapes[name.replace(".experts.0.", f".experts.{e}.")]
     expected = {name: (shape, floats) for name, shape in shapes.items()}
-    for name, (rows, *columns) in shapes.items():
+    for name, (*rows, columns) in shapes.items():
         stem = name.removesuffix(".weight")
-        if stored and columns and f"{stem}.scales" in tensors:  # stored quantized (section 16)
+        if stored and rows and f"{stem}.scales" in tensors:  # stored quantized (section 16)
             how = stored.get(stem)
             how = how if isinstance(how, dict) else stored
-            expected[name] = ((rows, columns[0] * how["bits"] // 32), (mx.uint32,))
+            expected[name] = ((*rows, columns * how["bits"] // 32), (mx.uint32,))
             for part in ("scales", "biases"):
-                expected[f"{stem}.{part}"] = ((rows, columns[0] // how["group_size"]), floats)
+                expected[f"{stem}.{part}"] = ((*rows, columns // how["group_size"]), floats)
     for name, (shape, dtypes) in expected.items():
         if name not in tensors:
             raise UserError(f"{where} lacks the tensor {name!r}")
@@ -343,10 +366,18 @@ def weight_bytes(shapes, dtype, quantizable, bits=None, group_size=GROUP_SIZE, s
 
 
 def memory_size():
-    """A GPU's memory as MLX reports it (a Mac's unified memory, a CUDA card's); else the RAM."""
+    """What the weights may take: a GPU's memory as MLX reports it (a Mac's unified memory, a CUDA
+    card's); on Linux, the RAM available now (MemAvailable), past which the kernel kills; else all
+    the RAM."""
     info = mx.device_info() if mx.default_device() == mx.gpu else {}
     size = info.get("memory_size") or info.get("total_memory")  # Metal's key, CUDA's key
-    return size or os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if size:
+        return size
+    with contextlib.suppress(OSError, StopIteration):  # no /proc/meminfo: not Linux
+        with open("/proc/meminfo") as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024  # "MemAvailable:   23437500 kB"
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def gpu_working_set():
@@ -355,26 +386,41 @@ def gpu_working_set():
         return mx.device_info().get("max_recommended_working_set_size")
 
 
-def check_memory(needed, available, dtype, working_set=None):
-    """Refuse weights larger than the memory, or on a Mac than the GPU's working set, before
-    reading gigabytes only to crash or swap. Smaller ones run: the OS can usually make room."""
+def check_memory(needed, available, dtype, working_set=None, margin=0, what=""):
+    """Refuse weights larger than the memory available, or on a Mac than the GPU's working set,
+    before reading gigabytes only to be killed or to swap. Warn when they fit, but not with
+    `margin` more (the KV cache and activations). what: said of the weights."""
+    smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
+    fix = f"try {smaller}--quantize 4, or a smaller model"
     if working_set and needed > working_set:
         has = (f"this Mac's GPU may use only {working_set / 1e9:.1f} GB of its "
                f"{available / 1e9:.1f} GB of memory (Metal's recommended working set)")
     elif needed > available:
-        has = f"this machine has {available / 1e9:.1f} GB of memory"
+        has = f"this machine has {available / 1e9:.1f} GB of memory available"
     else:
+        if needed + margin > (working_set or available):
+            print(f"warning: the weights take {needed / 1e9:.1f} of the "
+                  f"{(working_set or available) / 1e9:.1f} GB available, leaving little for the "
+                  f"KV cache and activations; if the run is killed, {fix}", file=sys.stderr)
         return
-    smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
-    raise UserError(f"the weights need {needed / 1e9:.1f} GB as {name_of(dtype)}, but "
-                    f"{has}; try {smaller}--quantize 4, or a smaller model")
+    raise UserError(f"the weights need {needed / 1e9:.1f} GB as {name_of(dtype)}{what}, but "
+                    f"{has}; {fix}")
 
 
 def check_fit(config, layer_shapes, dtype, bits, stored, quantizable):
-    """check_memory for the weights of config (this process's share) and its layer_shapes."""
-    needed = weight_bytes(tensor_shapes(config, layer_shapes), dtype, quantizable,
-                          bits or stored.get("bits"), stored.get("group_size", GROUP_SIZE), stored)
-    check_memory(needed, memory_size(), dtype, gpu_working_set())
+    """check_memory for the weights of config (this process's share) and its layer_shapes, with
+    room for a KV cache of 4,096 positions (as the README's table counts it)."""
+    shapes, c = tensor_shapes(config, layer_shapes), config
+    needed = weight_bytes(shapes, dtype, quantizable, bits or stored.get("bits"),
+                          stored.get("group_size", GROUP_SIZE), stored)
+    kv_cache = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype.size * 4096
+    what = (f" (all {sum(map(math.prod, shapes.values())) / 1e9:.1f} B parameters: a token uses "
+            f"{c.num_experts_per_tok} of a block's {c.num_experts} experts, but any may be next)"
+            if hasattr(c, "num_experts") else "")
+    check_memory(needed, memory_size(), dtype, gpu_working_set(), kv_cache, what)
+    if what and dtype != mx.float32 and not (bits or stored) and mx.default_device() == mx.cpu:
+        raise UserError(f"MLX's CPU multiplies unquantized experts (mx.gather_mm) in float32 only, "
+                        f"not {name_of(dtype)}: use --dtype float32 or --quantize")
 
 
 def wire_weights(weights):
@@ -411,6 +457,7 @@ SETTINGS = {
     "presence_penalty": (lambda p: is_number(p) and 0 <= p <= 2, "a number in [0, 2]"),
     "seed": (lambda s: is_number(s, int) and 0 <= s < 2**64, "an integer in [0, 2**64)"),
     "count": (lambda n: is_number(n, int) and n >= 1, "an integer >= 1"),  # --max-tokens, ...
+    "top_probs": (lambda n: is_number(n, int) and 1 <= n <= 1000, "an integer from 1 to 1000"),
     "eos_token_id": (lambda ids: all(is_number(i, int) and i >= 0 for i in
                                      (ids if isinstance(ids, list) else [ids])),
                      "a token id (an integer >= 0) or a list of them"),
@@ -493,25 +540,24 @@ def download_model(repo, model_dir, fields):
 
 
 def find_model(model_arg, allow_download, fields):
-    """--model's folder as it is; a repo id's in Hugging Face's cache, downloaded there once; by
-    default (or Qwen/Qwen3-0.6B when complete there) ./Qwen3-0.6B, else the script's, downloaded."""
+    """--model's folder as it is; a repo id's copy in Hugging Face's cache, downloaded there once;
+    without --model, ./Qwen3-0.6B, else the one next to the script, downloaded there."""
     repo = repo_id(model_arg) if model_arg else HF_REPO
     names = lambda folder: {p.name for p in folder.iterdir()} if folder and folder.is_dir() else ()
     try:
-        if model_arg and (repo is None or Path(model_arg).exists()):
+        in_cache = bool(model_arg and repo) and not Path(model_arg).exists()
+        if in_cache:
+            import huggingface_hub as hub  # its cache: ~/.cache/huggingface/hub, or $HF_HOME's
+
+            model_dir = None
+            with contextlib.suppress(Exception):  # LocalEntryNotFoundError: not there
+                model_dir = Path(hub.snapshot_download(repo, local_files_only=True,
+                                                       allow_patterns=CACHED_FILES))
+        elif model_arg:
             model_dir, repo = Path(model_arg), None
         else:  # ./Qwen3-0.6B when present, else the one next to the script
             model_dir = Path("Qwen3-0.6B")
             model_dir = model_dir if model_dir.is_dir() else SCRIPT_DIR / model_dir
-        in_cache = model_arg and repo and (repo != HF_REPO or missing_files(names(model_dir)))
-        if in_cache:  # or where this script downloaded repo ids until 2026-12, if complete there
-            import huggingface_hub as hub  # its cache: ~/.cache/huggingface/hub, or $HF_HOME's
-
-            earlier = SCRIPT_DIR / repo
-            model_dir = earlier if not missing_files(names(earlier)) else None
-            with contextlib.suppress(Exception):  # LocalEntryNotFoundError: not there
-                model_dir = Path(hub.snapshot_download(repo, local_files_only=True,
-                                                       allow_patterns=CACHED_FILES))
         # Names, not files: a directory in a file's place is reported as unreadable when read.
         missing = missing_files(names(model_dir))
     except OSError as e:  # a name too long, a folder without permission, ...
@@ -519,8 +565,9 @@ def find_model(model_arg, allow_download, fields):
                         f"{e.strerror or e}")
     if not missing:
         return model_dir
-    what = (f"{repo} is not in the Hugging Face cache" if in_cache else
-            f"{model_dir} lacks {', '.join(missing)}" if model_dir.is_dir() else
+    what = (f"{repo} is not in the Hugging Face cache" if in_cache and not model_dir else
+            f"{repo}'s copy in the Hugging Face cache is incomplete (no {', '.join(missing)})"
+            if in_cache else f"{model_dir} lacks {', '.join(missing)}" if model_dir.is_dir() else
             f"{model_dir} is a file, not a model folder" if model_dir.exists() else
             f"model folder {model_dir} not found")
     if repo is None:
@@ -653,8 +700,8 @@ def parse_args(argv):
     add("--num-draft-tokens", type=number(int, "count"), default=2, metavar="N",
         help="tokens the draft proposes per round (%(default)s, chosen in docs/performance.md)")
     lab = ap.add_argument_group("experiments (README, Experiments)").add_argument
-    lab("--top-probs", type=number(int, "count"), metavar="N",
-        help="print the N likeliest first tokens and their probabilities")
+    lab("--top-probs", type=number(int, "top_probs"), metavar="N",
+        help="print the N likeliest first tokens (at most 1000) and their probabilities")
     lab("--trace", action="store_true",
         help="narrate one forward pass over the prompt (shapes, sizes, logit lens); no reply")
     lab("--no-cache", action="store_true",
@@ -739,16 +786,19 @@ def check_prompt(prompt_ids, config, max_new, trace):
 # --- Terminal output: the header, a reply as it comes, tables, the statistics line -------------
 
 def print_header(model_arg, model_dir, config, n, dtype, weights, how, prompt=None, n_prompt=0):
-    """Model: ... (a repo id or folder as given), an OpenBLAS hint, Prompt: ... unless chatting."""
+    """Model: ... (a repo id or folder as given, and where its weights are), an OpenBLAS hint,
+    Prompt: ... unless chatting."""
     repo = model_arg and not Path(model_arg).exists() and repo_id(model_arg)
+    folder = os.path.abspath(model_dir)  # a link named as given, not as its target
     c, matrices = config, [weights["embed_tokens"], weights["lm_head"],
                            *(w for layer in weights["layers"] for w in layer.values())]
     bits = "/".join(map(str, sorted({w.bits for w in matrices if hasattr(w, "bits")})))
-    print(f"Model: {repo or Path(os.path.abspath(model_dir)).name} ({c.num_hidden_layers} layers, "
+    print(f"Model: {repo or Path(folder).name} ({c.num_hidden_layers} layers, "
           f"{c.hidden_size} dim, {c.num_attention_heads * n} Q heads, {c.num_key_value_heads * n} "
           f"KV heads) on {'gpu' if mx.default_device() == mx.gpu else 'cpu'}"
           f"{f' x {n} processes' if n > 1 else ''}, {name_of(dtype)}"
-          f"{f', {bits}-bit weights' if bits else ''}", file=sys.stderr)
+          f"{f', {bits}-bit weights' if bits else ''}, from "
+          f"{'the Hugging Face cache' if repo else folder}", file=sys.stderr)
     if MLX_CPU_WHEEL and not OPENBLAS:
         print(OPENBLAS_HINT, file=sys.stderr)
     if prompt is not None:
@@ -782,7 +832,10 @@ BYTE_OF = {chr(c): b for b, c in zip(PRINTABLE + [b for b in range(256) if b not
 
 def piece(tokenizer, token_id):
     """A token as shown(): its text, or, for bytes that are no whole character (a piece of one,
-    as byte-level BPE makes), <0xEF> for each, as llama.cpp writes them."""
+    as byte-level BPE makes), <0xEF> for each, as llama.cpp writes them; <unused id> for a row
+    of the embedding table past the tokenizer's ids (Qwen3: 151936 rows, 151669 tokens)."""
+    if tokenizer.id_to_token(token_id) is None:
+        return "<unused id>"
     text = tokenizer.decode([token_id], skip_special_tokens=False)
     if "\ufffd" not in text:
         return shown(text)
@@ -974,8 +1027,9 @@ def complete(tokens, tokenizer, text_stream, args, n_prompt, drawn=None, rounds=
     n = printer.n_tokens
     print(f"{'Interrupted. ' if interrupted else ''}Prompt: {plural(n_prompt, 'token')}"
           f"{rate(n_prompt if n else 0, prefill_s)} | Generated: {plural(n, 'token')}"
-          f"{rate(n - 1, decode_s)} | Total: {prefill_s + decode_s:.2f} s | Peak memory: "
-          f"{mx.get_peak_memory() / 1e9:.2f} GB{drafted(rounds, n)}", file=status(interrupted))
+          f"{rate(n - 1, decode_s)} | Prefill + decode: {prefill_s + decode_s:.2f} s | "
+          f"Peak memory: {mx.get_peak_memory() / 1e9:.2f} GB{drafted(rounds, n)}",
+          file=status(interrupted))
     return 130 if interrupted else 0
 
 
@@ -1174,6 +1228,10 @@ def run(main):
         what = "another process stopped" if "peer" in str(e) else "a process failed"
         print(f"llm_inference.py: error: {what} ({e}); ending", file=sys.stderr)
         sys.exit(1)
+    except ModuleNotFoundError as e:  # huggingface_hub, imported where first needed
+        if e.name not in RUNTIME:
+            raise
+        sys.exit(NOT_INSTALLED % ("llm_inference.py", e.name))
     except KeyboardInterrupt:  # Ctrl-C while loading: no traceback
         mx.synchronize()  # nothing left queued on the GPU at exit, as after Ctrl-C in stream()
         print("\nInterrupted.", file=status(True))

@@ -25,6 +25,7 @@ value is needed (`print(y)`, `y.item()`, `mx.eval(y)`). generate() (section 11) 
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -433,6 +434,7 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 #   16. quantization      load_tensor, linear, embed      --quantize, or a folder stored quantized
 #   17. sampling          sample                          --min-p or --presence-penalty
 #   20. several machines  load_tensor, attention, swiglu  under mlx.launch
+#   21. experts           layer_shapes, load_tensor, swiglu   a qwen3_moe model
 
 def replace(**functions):
     """From now on, calls by these names (Part 1's functions) run the functions given. A misspelt
@@ -488,26 +490,50 @@ def compile_model():
 # --- 14. Long prompts: prefill in pieces ----------------------------------------------------------
 #
 # A piece of 1024 tokens has attention scores of (heads, 1024, total) rather than (heads, total,
-# total) for the whole prompt at once: that bounds the memory of one pass, at a cost in speed (an
-# H200 took 28 instead of 21 ms to the first token of 2048: docs/performance.md).
-PREFILL_CHUNK = 1024
+# total) for the whole prompt at once: that bounds the memory of one pass, at some cost in speed
+# (docs/performance.md#against-mlx-lm-the-same-weights).
+#
+# Pieces are also what keeps a slow prefill responsive. Python acts on Ctrl-C (KeyboardInterrupt)
+# only between its own steps, never inside an mx.eval(), which MLX computes in one go. So where a
+# prefill is slow (on a CPU, a layer over 1024 tokens can take seconds), the pieces are smaller,
+# each piece's time setting the size of the next, and a piece runs a layer at a time. Ctrl-C then
+# stops a prefill within a fraction of a second, and its progress shows as often
+# (docs/performance.md#prefill-ctrl-c-and-progress).
+PREFILL_CHUNK = 1024  # tokens in a piece, at most
+LAYER_SECONDS = 0.2  # about how long a layer of a piece should take: what Ctrl-C may wait for
+layer_tokens = 8  # tokens a layer runs in LAYER_SECONDS, as the last piece measured; first a guess
 
 
 def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
                   cache=None, progress=None):
     """generate() for a prompt of any length: all but its last piece first go through the model
-    piece by piece, filling the cache. progress(done, total), if given, after each piece."""
+    piece by piece, filling the cache. progress(done, total), if given, after each mx.eval(): done
+    counts a piece's tokens in proportion to the layers they have gone through."""
+    global layer_tokens
     cache = make_cache(config) if cache is None else cache
-    done, total = 0, len(prompt_ids)
-    while total - done > PREFILL_CHUNK:
-        forward(mx.array(prompt_ids[done : done + PREFILL_CHUNK]), weights, config, cache)
-        # Run this piece now, freeing its activations. Only the cache is asked for, so (MLX being
-        # lazy) the piece's logits are never computed.
-        mx.eval([(c.keys, c.values) for c in cache])
-        done += PREFILL_CHUNK
-        if progress:  # the command line shows it for a long prompt
-            progress(done, total)
+    done, total, n_layers = 0, len(prompt_ids), len(cache)
+    # generate() runs the last piece through all the layers at once: it gets at most what one
+    # layer runs in LAYER_SECONDS.
+    while total - done > min(max(layer_tokens // n_layers, 1), PREFILL_CHUNK):
+        size, start = min(layer_tokens, PREFILL_CHUNK, total - done - 1), time.perf_counter()
+        forward(mx.array(prompt_ids[done : done + size]), weights, config, cache)  # recorded only
+        # Run it as many layers at a time as run in LAYER_SECONDS: all of them on a fast GPU, where
+        # each mx.eval() costs a wait. A layer's keys and values need the layers below. Only the
+        # cache is asked for, so (MLX being lazy) the piece's logits are never computed.
+        at_once = max(1, min(layer_tokens // size, n_layers))
+        for first in range(0, n_layers, at_once):
+            mx.eval([(c.keys, c.values) for c in cache[first : first + at_once]])
+            if progress:  # the command line shows it for a long prompt
+                progress(done + size * min(first + at_once, n_layers) // n_layers, total)
+        done += size
+        layer_tokens = tokens_per_layer(size, (time.perf_counter() - start) / n_layers)
     yield from generate(prompt_ids[done:], weights, config, max_tokens, sampling, eos_ids, cache)
+
+
+def tokens_per_layer(size, seconds):
+    """The tokens a layer runs in LAYER_SECONDS, at the pace of a piece of `size` tokens whose
+    layers took `seconds` each. (Section 20 has every process take the same count.)"""
+    return max(1, round(size * LAYER_SECONDS / seconds))
 
 
 # --- 15. Without a KV cache: what the cache saves (--no-cache) ------------------------------------
@@ -532,7 +558,7 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
 # Decoding a token reads every weight matrix once. Fewer bits per weight always save memory. They
 # save time only where reading the weights limits decoding, as expected for large models on a Mac.
 # Qwen3-8B reads 15.1 GB of matrices per token in bfloat16 (of the embedding table, one row). At
-# 100 GB/s that caps it near 7 tokens a second, and its 4.3 GB at 4 bits near 23. For a small model
+# 100 GB/s that takes 151 ms per token, and its 4.3 GB at 4 bits 43 ms. For a small model
 # on a big GPU, each operation's fixed cost sets the pace instead. On a CPU, MLX's quantized product
 # is no faster than its float32 one. The measurements are in docs/performance.md.
 #
@@ -562,8 +588,8 @@ class Quantized(NamedTuple):
 
 
 def quantizable(shape, group_size=GROUP_SIZE):
-    """Matrices whose rows split into whole groups (all of Qwen3's); mlx-lm leaves others as is."""
-    return len(shape) == 2 and shape[1] % group_size == 0
+    """Matrices, or stacks of them, whose rows split into whole groups; mlx-lm leaves others."""
+    return len(shape) >= 2 and shape[-1] % group_size == 0
 
 
 def quantize(weight, bits, dtype):
@@ -856,32 +882,35 @@ SPLIT_COLUMNS = ("o_proj", "down_proj")  # in channels: the same heads and units
 
 
 def split_config(config, n):
-    """The model as one of n processes runs it: 1/n of the heads and of the feed-forward."""
-    return config._replace(num_attention_heads=config.num_attention_heads // n,
-                           num_key_value_heads=config.num_key_value_heads // n,
-                           intermediate_size=config.intermediate_size // n)
+    """The model as one of n processes runs it: 1/n of the heads and of the feed-forward (of each
+    expert's too, section 21)."""
+    split = ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+             "moe_intermediate_size")
+    return config._replace(**{name: getattr(config, name) // n for name in split
+                              if hasattr(config, name)})
 
 
 def can_split(config, n, group_size=None):
     """Whether the heads and the feed-forward divide by n, and, quantized, whether each process's
     columns of o_proj and down_proj hold whole groups (a group's scale cannot be split)."""
     c = config  # (query heads are a multiple of key/value heads: whole groups split too)
-    if c.num_key_value_heads % n or c.intermediate_size % n:
+    units = {c.intermediate_size, getattr(c, "moe_intermediate_size", c.intermediate_size)}
+    if c.num_key_value_heads % n or any(u % n for u in units):
         return False
-    columns = (c.num_attention_heads * c.head_dim // n, c.intermediate_size // n)
+    columns = (c.num_attention_heads * c.head_dim // n, *(u // n for u in units))
     return not group_size or all(x % group_size == 0 for x in columns)
 
 
 def use_tensor_parallelism(group):
-    """From now on, load_tensor() keeps this process's share of each block's matrices, and
+    """From now on, load_tensor() keeps this process's share of each block's matrices,
     attention() and swiglu() add up their partial outputs over the group (run them with
-    split_config's config)."""
+    split_config's config), and tokens_per_layer() gives process 0's count (section 14)."""
     # The load_tensor() in place now: Part 1's, or section 16's when quantizing (replaced first).
     load_whole, n, rank = load_tensor, group.size(), group.rank()
 
     def load_share(tensors, name, dtype):
         weight, kind = load_whole(tensors, name, dtype), name.split(".")[-2]
-        axis = 0 if kind in SPLIT_ROWS else 1 if kind in SPLIT_COLUMNS else None
+        axis = -2 if kind in SPLIT_ROWS else -1 if kind in SPLIT_COLUMNS else None  # stacks too
         if axis is None:
             return weight
         # A contiguous copy of the share: a slice alone would keep the whole matrix alive.
@@ -894,7 +923,124 @@ def use_tensor_parallelism(group):
 
     # summed(f) runs f, then adds up its partial outputs over the group.
     summed = lambda function: lambda *args: mx.distributed.all_sum(function(*args), group=group)
-    replace(load_tensor=load_share, attention=summed(attention), swiglu=summed(swiglu))
+    # Each process times its own prefill pieces (section 14), but all must cut a prompt alike.
+    pace = tokens_per_layer
+    first = lambda *args: mx.distributed.all_sum(pace(*args) * (rank == 0), group=group).item()
+    replace(load_tensor=load_share, attention=summed(attention), swiglu=summed(swiglu),
+            tokens_per_layer=first)
+
+
+# --- 21. Mixture of experts: each token through 8 of 128 feed-forwards (Qwen3-30B-A3B) -----------
+#
+# Qwen3-30B-A3B's blocks trade the SwiGLU (section 7) for 128 smaller ones, "experts" of 768 units,
+# and a router, a (128, 2048) matrix. softmax(x @ router.T) gives each expert a probability for each
+# token. A token goes through its 8 likeliest experts, and their outputs are added up, weighted by
+# those probabilities (rescaled to add up to 1 if norm_topk_prob). So a token reads the bytes of 3.3
+# B parameters, a small model's. But the next token may pick any expert, so all 30.5 B stay in
+# memory. To be fast in MLX, each projection's experts are stacked, (128, 768, 2048) for gate_proj,
+# and mx.gather_mm multiplies each token by the experts it picked, in one operation. In a long
+# prompt, tokens are sorted by expert, so each expert's matrix meets its tokens together. Blocks in
+# mlp_only_layers, or off every decoder_sparse_step-th, keep a dense SwiGLU.
+
+MOE_FIELDS = {  # what config.json adds for a mixture of experts (Qwen3-30B-A3B's values)
+    "num_experts": int,  # 128 experts in a block ...
+    "num_experts_per_tok": int,  # ... of which the router picks 8 for each token
+    "moe_intermediate_size": int,  # 768 units in each
+    "norm_topk_prob": bool,  # true: the 8 picks' probabilities rescaled to add up to 1
+    "decoder_sparse_step": int,  # 1: every block has experts; 2: every second one; ...
+    "mlp_only_layers": tuple,  # []: blocks that keep a dense SwiGLU
+}
+MoEConfig = NamedTuple("MoEConfig", [*Config.__annotations__.items(), *MOE_FIELDS.items()])
+MODEL_TYPES = {"qwen3": Config.__annotations__, "qwen3_moe": MoEConfig.__annotations__}
+
+
+def with_experts(config, model_dir):
+    """config, or for a model_type "qwen3_moe", a MoEConfig: config and MOE_FIELDS' values."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    values = [kind(raw[name]) for name, kind in MOE_FIELDS.items() if raw["model_type"] != "qwen3"]
+    return MoEConfig(*config, *values) if values else config
+
+
+def has_experts(config, i):
+    return i not in config.mlp_only_layers and (i + 1) % config.decoder_sparse_step == 0
+
+
+def block_shapes(c):
+    """Each block's tensors, for cli.py's checks: layer_shapes(c), but a block with experts
+    stores a router and each expert's SwiGLU in place of its own."""
+    if not isinstance(c, MoEConfig):
+        return layer_shapes(c)
+    moe = c._replace(intermediate_size=c.moe_intermediate_size)  # an expert's SwiGLU
+    dense, one = layer_shapes(c), layer_shapes(moe)
+    experts = {name: shape for name, shape in dense.items() if not name.startswith("mlp.")}
+    experts["mlp.gate.weight"] = (c.num_experts, c.hidden_size)  # the router: (128, 2048)
+    experts |= {f"mlp.experts.{e}.{name[4:]}": shape for e in range(c.num_experts)  # (768, 2048)
+                for name, shape in one.items() if name.startswith("mlp.")}
+    return [experts if has_experts(c, i) else dense for i in range(c.num_hidden_layers)]
+
+
+def route(x, router, k, norm_topk_prob):
+    """x (seq, 2048) -> the k experts each token goes to (seq, 8), and their weights (seq, 8).
+    Softmax keeps the order of the scores, so the 8 likeliest experts are the 8 best-scored; and
+    their probabilities rescaled to add up to 1 are the softmax of their 8 scores alone."""
+    scores = linear(x, router)  # (seq, 128)
+    chosen = mx.argpartition(scores, -k, axis=-1)[:, -k:]  # the 8 best, in no order
+    if norm_topk_prob:  # precise: the softmax in float32
+        return chosen, mx.softmax(mx.take_along_axis(scores, chosen, axis=-1), -1, precise=True)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return chosen, mx.take_along_axis(probs, chosen, axis=-1)
+
+
+def mixture(x, layer, k, norm_topk_prob):
+    """swiglu() with experts: x (seq, 2048) -> each token's experts' SwiGLUs, weighted, summed."""
+    chosen, weights = route(x, layer["gate"], k, norm_topk_prob)  # (seq, 8)
+    x = x[:, None, None, :]  # (seq, 1, 1, 2048): a row for each token, shared by its 8 experts
+    by_expert = chosen.size >= 64  # a prompt: its (token, expert) pairs sorted by expert, as
+    # mlx-lm does, which docs/performance.md measures
+    if by_expert:
+        order = mx.argsort(chosen.flatten())  # (seq x 8,)
+        x, chosen = x[order // k, 0], chosen.flatten()[order]  # (seq x 8, 1, 2048), (seq x 8,)
+
+    def product(x, w):  # linear() with each token's experts: (..., 1, in) -> (..., 1, out)
+        if isinstance(w, Quantized):
+            return mx.gather_qmm(x, *w[:3], rhs_indices=chosen, transpose=True, bits=w.bits,
+                                 group_size=w.group_size, sorted_indices=by_expert)
+        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=chosen, sorted_indices=by_expert)
+
+    gate, up = product(x, layer["gate_proj"]), product(x, layer["up_proj"])  # (seq, 8, 1, 768)
+    y = product(silu_gate(gate, up), layer["down_proj"])  # (seq, 8, 1, 2048)
+    if by_expert:  # back in token order
+        y = y[mx.argsort(order)].reshape(-1, k, 1, y.shape[-1])
+    return (weights[:, None, :] @ y[:, :, 0])[:, 0]  # (seq, 1, 8) @ (seq, 8, 2048): weighted sum
+
+
+def use_experts(config, bits=None):
+    """Replaces layer_shapes (a block gains the router, "gate": None in a dense block), load_tensor
+    (it stacks a block's experts as it reads them) and swiglu, for a MoEConfig. bits: --quantize;
+    the routers are quantized to 8 bits, as mlx_lm.convert does."""
+    shapes, load_one, dense = layer_shapes, load_tensor, swiglu
+
+    def load_stacked(tensors, name, dtype):
+        *block, kind, _ = name.split(".")  # model, layers, {i}, mlp; gate_proj; weight
+        if block[3:] != ["mlp"] or not has_experts(config, int(block[2])):
+            return None if kind == "gate" else load_one(tensors, name, dtype)
+        block = ".".join(block)
+        if kind == "gate" and bits and f"{block}.gate.scales" not in tensors:  # the router
+            router = quantize(tensors.pop(name), 8, dtype)
+            mx.eval(router)
+            return router
+        stacked = f"{block}.switch_mlp.{kind}.weight"  # as mlx_lm.convert's folders hold them
+        if kind != "gate" and stacked not in tensors:  # Hugging Face's: a tensor per expert
+            tensors[stacked] = mx.stack([tensors.pop(f"{block}.experts.{e}.{kind}.weight")
+                                         for e in range(config.num_experts)])  # (128, 768, 2048)
+        # Read into the stack as load_one computes it: the peak holds one projection's experts
+        # of one block twice, not the model.
+        return load_one(tensors, name if kind == "gate" else stacked, dtype)
+
+    router = lambda c: shapes(c) | {"mlp.gate.weight": (config.num_experts, c.hidden_size)}
+    either = lambda x, layer: dense(x, layer) if layer["gate"] is None else mixture(
+        x, layer, config.num_experts_per_tok, config.norm_topk_prob)
+    replace(layer_shapes=router, load_tensor=load_stacked, swiglu=either)
 
 
 # --- 22. Speculative decoding: a small model drafts, the large one checks (--draft-model) --------
@@ -997,7 +1143,7 @@ def main(argv=None):
         cli.join(group)  # process 0 reads the input for all, and prints
     args = cli.parse_args(argv)
     prompt = cli.read_prompt(args, group)  # None: a chat, its messages read as they come
-    fields = Config.__annotations__
+    fields = MODEL_TYPES  # config.json's fields: Config's, and MoEConfig's (section 21)
     model_dir = cli.find_model(args.model, not args.no_download, fields)  # downloaded if need be
     if args.chat:
         cli.check_chat_template(model_dir)
@@ -1005,12 +1151,12 @@ def main(argv=None):
 
     # Load (section 1), after checking what the loaders assume: a broken file is one line.
     stored = cli.check_config(model_dir, fields, args.quantize)  # a checkpoint stored quantized
-    config = load_config(model_dir)
-    config = cli.check_weights(model_dir, config, stored, layer_shapes(config))  # may untie
+    config = with_experts(load_config(model_dir), model_dir)  # a MoEConfig for experts (21)
+    config = cli.check_weights(model_dir, config, stored, block_shapes(config))  # may untie
     n = group.size()
     cli.check_split(model_dir, config, n, args.quantize, stored, can_split)
     shares = split_config(config, n)  # this process's 1/n of the heads and the feed-forward
-    cli.check_fit(shares, layer_shapes(shares), dtype, args.quantize, stored, quantizable)
+    cli.check_fit(shares, block_shapes(shares), dtype, args.quantize, stored, quantizable)
     with cli.reading(model_dir / "tokenizer.json"):
         tokenizer = load_tokenizer(model_dir)
     cli.check_tokenizer(tokenizer, config, model_dir)
@@ -1025,8 +1171,10 @@ def main(argv=None):
                                        args.num_draft_tokens, min_p)  # make_cache, generate_long
     if args.quantize or stored:
         use_quantization(args.quantize, stored)  # section 16: load_tensor, linear, embed
+    if isinstance(config, MoEConfig):  # before section 20, which splits what it loads and sums
+        use_experts(config, args.quantize)  # section 21: layer_shapes, load_tensor, swiglu
     if n > 1:  # after section 16: each process keeps its share of what that load_tensor makes
-        use_tensor_parallelism(group)  # section 20: load_tensor, attention, swiglu
+        use_tensor_parallelism(group)  # section 20: load_tensor, attention, swiglu, ...
     if not args.reference_ops:
         use_fused_kernels()  # section 12: rms_norm, apply_rope, attend
         if not args.no_compile:

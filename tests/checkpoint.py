@@ -388,6 +388,30 @@ TINY_CONFIG = {
     "head_dim": 16,
 }
 
+# A tiny Qwen3 mixture of experts in Qwen3MoeForCausalLM's layout (model_type "qwen3_moe"): 8
+# experts of 64 units, 2 per token, in layers 0 and 2; layer 1 (mlp_only_layers) keeps a dense
+# SwiGLU. Every width divides by 64, so it quantizes.
+TINY_MOE_CONFIG = TINY_CONFIG | {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_hidden_layers": 3,
+    "max_window_layers": 3,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [1],
+}
+
+# Qwen3-30B-A3B's shape (its config.json's sizes; 48 layers): 30.5 B parameters, 3.3 B per token.
+QWEN3_30B_A3B_SHAPE = TINY_MOE_CONFIG | {
+    "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+    "max_window_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+    "mlp_only_layers": [], "tie_word_embeddings": False,
+}
+
 # The true Qwen3-0.6B shape: no overrides.
 REAL_SHAPE: dict = {}
 
@@ -423,6 +447,7 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     vocab = config["vocab_size"]
 
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    moe = config.get("model_type") == "qwen3_moe"
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes |= {
@@ -438,6 +463,16 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (inter, hidden),
             p + "mlp.down_proj.weight": (hidden, inter),
         }
+        sparse = (i + 1) % config.get("decoder_sparse_step", 1) == 0
+        if moe and sparse and i not in config["mlp_only_layers"]:
+            units = config["moe_intermediate_size"]
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                del shapes[f"{p}mlp.{name}.weight"]
+            shapes[p + "mlp.gate.weight"] = (config["num_experts"], hidden)  # the router
+            for e in range(config["num_experts"]):
+                shapes |= {f"{p}mlp.experts.{e}.gate_proj.weight": (units, hidden),
+                           f"{p}mlp.experts.{e}.up_proj.weight": (units, hidden),
+                           f"{p}mlp.experts.{e}.down_proj.weight": (hidden, units)}
     shapes["model.norm.weight"] = (hidden,)
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (vocab, hidden)
@@ -561,19 +596,20 @@ def load_model(model_dir, dtype, bits=None, group=None):
     import llm_inference as li
 
     n = group.size() if group else 1
-    fields = li.Config.__annotations__
-    stored = cli.check_config(model_dir, fields, bits)
-    config = li.load_config(model_dir)
-    config = cli.check_weights(model_dir, config, stored, li.layer_shapes(config))
+    stored = cli.check_config(model_dir, li.MODEL_TYPES, bits)
+    config = li.with_experts(li.load_config(model_dir), model_dir)
+    config = cli.check_weights(model_dir, config, stored, li.block_shapes(config))
     cli.check_split(model_dir, config, n, bits, stored, li.can_split)
     shares = li.split_config(config, n)
-    cli.check_fit(shares, li.layer_shapes(shares), dtype, bits, stored, li.quantizable)
+    cli.check_fit(shares, li.block_shapes(shares), dtype, bits, stored, li.quantizable)
     with cli.reading(Path(model_dir) / "tokenizer.json"):
         tokenizer = li.load_tokenizer(model_dir)
     cli.check_tokenizer(tokenizer, config, model_dir)
     generation_config = cli.load_generation_config(model_dir)
     if bits or stored:
         li.use_quantization(bits, stored)
+    if isinstance(config, li.MoEConfig):
+        li.use_experts(config, bits)
     if n > 1:
         li.use_tensor_parallelism(group)
     with cli.reading(model_dir, "re-download the model"):
@@ -586,5 +622,5 @@ def weight_bytes(config, dtype, bits=None):
     import cli
     import llm_inference as li
 
-    shapes = cli.tensor_shapes(config, li.layer_shapes(config))
+    shapes = cli.tensor_shapes(config, li.block_shapes(config))
     return cli.weight_bytes(shapes, dtype, li.quantizable, bits)

@@ -307,12 +307,22 @@ def test_on_the_cpu_with_no_size_flag_the_run_is_short(tiny_folder, untimed, mon
     # The article's 5-token prompt (2 tokens), then 128 tokens and 64 new: warm-ups, then 3 reps.
     assert runs == [(5, 2)] * 8 + [(128, 8)] * 2 + [(128, 64)] * 6, runs
     assert "greedy tokens identical: 64/64" in out and "medians of 3 runs after a warm-up" in out
-    written.clear()
-    runs.clear()
-    assert bench_main(monkeypatch, "--device", "cpu", "--reps", 1) is None  # a size flag
-    out = capsys.readouterr().out
-    assert "no size flag" not in out and written == [None]  # the 0.6B shape (here the tiny one)
-    assert sorted(set(runs)) == [(5, 2), (128, 8), (128, 256), (2048, 8), (2048, 256)]
+    for size in (["--reps", 1], ["--model", tiny_folder]):  # --model is one too (issue 32)
+        written.clear()
+        runs.clear()
+        assert bench_main(monkeypatch, "--device", "cpu", *size) is None
+        out = capsys.readouterr().out
+        assert "no size flag" not in out and written == [None] * (size[0] == "--reps"), out
+        assert sorted(set(runs)) == [(5, 2), (128, 8), (128, 256), (2048, 8), (2048, 256)]
+
+
+def test_tiny_and_model_are_refused_together(monkeypatch, capsys):
+    """Issue 32: bench.py --tiny --model X ran the tiny model, saying nothing of X."""
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--tiny", "--model", "Qwen/Qwen3-1.7B"])
+    with pytest.raises(SystemExit) as exit:
+        bench.main()
+    assert exit.value.code == 2 and capsys.readouterr().err == (
+        "bench.py: error: argument --model: not allowed with argument --tiny (see --help)\n")
 
 
 def test_each_measurement_is_announced_on_stderr(tiny_folder, untimed, monkeypatch, capsys):

@@ -23,6 +23,7 @@ from transformers.generation.logits_process import (
 
 import cli
 import llm_inference as li
+from tests.test_model import pieces_of
 
 THINK, END_THINK, IM_END = 151667, 151668, 151645
 
@@ -291,6 +292,7 @@ def test_ctrl_c_inside_a_step_leaves_a_usable_cache(model, monkeypatch):
         return block(*args)
 
     config = model[1]
+    pieces_of(monkeypatch, 1024)  # the prompt in one pass
     monkeypatch.setattr(li, "transformer_block", interrupted_block)
     with pytest.raises(KeyboardInterrupt):
         run_turn(chat, "One", 8)
@@ -300,6 +302,32 @@ def test_ctrl_c_inside_a_step_leaves_a_usable_cache(model, monkeypatch):
     assert len(chat.turns) == 1  # the partial reply stays in the history
     prompt = chat.prompt_ids("Two")
     _, logits = next(chat.reply("Two", 1))
+    assert mx.allclose(logits, from_scratch(model, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_ctrl_c_in_a_prefill_leaves_a_usable_cache(model, monkeypatch):
+    """Issue 32: Ctrl-C in a turn's prefill, before any reply, can land when only layer 0 has
+    recorded the new positions. The history then keeps only what every layer holds (the least of
+    their offsets; with the most, 24 positions were reused instead of 12, and the logits were off
+    by 9.2): the next turn still gives the logits of a fresh computation."""
+    chat = make_chat(model)
+    run_turn(chat, "One", 4)
+    block, calls = li.transformer_block, 0
+
+    def interrupted_block(*args):
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the next turn's first pass, at layer 1
+            raise KeyboardInterrupt
+        return block(*args)
+
+    monkeypatch.setattr(li, "transformer_block", interrupted_block)
+    with pytest.raises(KeyboardInterrupt):
+        run_turn(chat, "Two", 4)
+    monkeypatch.setattr(li, "transformer_block", block)
+    assert chat.turns[-1] == ("Two", []) and len({c.offset for c in chat.cache}) == 2
+    prompt = chat.prompt_ids("Three")
+    _, logits = next(chat.reply("Three", 1))
     assert mx.allclose(logits, from_scratch(model, prompt), atol=1e-4, rtol=1e-4)
 
 

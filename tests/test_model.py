@@ -1,12 +1,16 @@
 """The whole model against mlx-lm on the same checkpoint, the KV cache against recomputation, and sampling."""
 
+import io
 import json
+import os
 import shutil
 import subprocess
 import sys
+import types
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
@@ -134,6 +138,13 @@ def test_cached_decoding_equals_recomputing(checkpoint, fused):
     assert all(c.offset == 270 and c.keys.shape[-2] == 2 * li.KVCache.GROWTH for c in cache)
 
 
+def pieces_of(monkeypatch, n):
+    """Prefill pieces of n tokens, however long a layer takes (section 14 sizes them by time)."""
+    monkeypatch.setattr(li, "PREFILL_CHUNK", n)
+    monkeypatch.setattr(li, "LAYER_SECONDS", 10**6)
+    monkeypatch.setattr(li, "layer_tokens", 10**9)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_chunked_prefill_gives_the_same_tokens(checkpoint, monkeypatch, fused):
     folder, config, weights, _ = checkpoint
@@ -142,7 +153,9 @@ def test_chunked_prefill_gives_the_same_tokens(checkpoint, monkeypatch, fused):
         whole = tokens(li.generate(prompt, weights, config, max_tokens=10))
         # one piece
         assert tokens(li.generate_long(prompt, weights, config, max_tokens=10)) == whole
-        monkeypatch.setattr(li, "PREFILL_CHUNK", 16)  # 50 = 16 + 16 + 16 + 2
+        pieces_of(monkeypatch, 16)  # 50 = 16 + 16 + 16 + 2
+        assert tokens(li.generate_long(prompt, weights, config, max_tokens=10)) == whole
+        monkeypatch.setattr(li, "LAYER_SECONDS", 0)  # then pieces of one token, as on a slow device
         assert tokens(li.generate_long(prompt, weights, config, max_tokens=10)) == whole
 
 
@@ -319,7 +332,8 @@ def test_weight_bytes_counts_every_tensor_once(checkpoint):
 
 def test_memory_check_refuses_only_what_does_not_fit():
     cli.check_memory(8 * 10**9, 8 * 10**9, mx.bfloat16)  # exactly fits: runs
-    with pytest.raises(cli.UserError, match=r"need 8\.0 GB as bfloat16, but this machine has 7\.9 GB of memory; "
+    with pytest.raises(cli.UserError, match=r"need 8\.0 GB as bfloat16, but this machine has "
+                                           r"7\.9 GB of memory available; "
                                            r"try --quantize 4, or a smaller model"):
         cli.check_memory(8 * 10**9, 7.9e9, mx.bfloat16)
     with pytest.raises(cli.UserError, match=r"16\.4 GB as float32.*try --dtype bfloat16 \(half the bytes\), --quantize 4"):
@@ -347,10 +361,43 @@ def test_memory_size_is_this_machines_memory():
         total = mx.device_info()["total_memory"]
     elif sys.platform == "darwin":  # unified memory: the GPU's is the machine's
         total = int(subprocess.run(["sysctl", "-n", "hw.memsize"], capture_output=True, text=True).stdout)
-    else:
-        with open("/proc/meminfo") as f:  # Linux's own count, in KiB, independent of os.sysconf
-            total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
+    else:  # Linux: the memory available (it changes as other processes run: read around)
+        available = lambda: int(next(line for line in open("/proc/meminfo")
+                                     if line.startswith("MemAvailable:")).split()[1]) * 1024
+        before, size, after = available(), cli.memory_size(), available()
+        assert 0.95 * min(before, after) < size < 1.05 * max(before, after)
+        return
     assert abs(cli.memory_size() - total) < 0.05 * total
+
+
+def test_on_linux_the_memory_check_counts_the_memory_available(tiny, monkeypatch, capsys):
+    """Issue 32: float32 weights of 25.0 GB on a machine of 25.3 GB passed the check, which read
+    the total, and the kernel killed the run (23 GB in, nothing said). The check reads what is
+    available (a /proc/meminfo with 24.0 GB of it here), and warns when what is left is less than
+    a 4,096-token KV cache needs."""
+    total, meminfo = 25.3e9, "MemTotal:  24707031 kB\nMemAvailable:  23437500 kB\n"
+    monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)  # a Linux machine without a GPU
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PHYS_PAGES": total / 4096,
+                                                     "SC_PAGE_SIZE": 4096}[name])
+    monkeypatch.setattr(cli, "open", lambda path, *args: io.StringIO(meminfo)
+                        if path == "/proc/meminfo" else open(path, *args), raising=False)
+    assert cli.memory_size() == 24.0e9
+    with pytest.raises(cli.UserError, match=r"^the weights need 25\.0 GB as float32, but this "
+                                            r"machine has 24\.0 GB of memory available; try"):
+        cli.check_memory(25.0e9, cli.memory_size(), mx.float32)
+    config = li.load_config(tiny)
+    needed = weight_bytes(config, mx.float32)
+    c = config
+    kv_cache = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4 * 4096  # float32
+    for kib, warned in (((needed + kv_cache + 1023) // 1024, False),
+                        ((needed + kv_cache - 1) // 1024, True)):
+        meminfo = f"MemAvailable: {kib} kB\n"
+        load_model(tiny, mx.float32)  # checks the memory as main() does
+        err = capsys.readouterr().err
+        assert err == ("warning: the weights take 0.0 of the 0.0 GB available, leaving little "
+                       "for the KV cache and activations; if the run is killed, try --dtype "
+                       "bfloat16 (half the bytes), --quantize 4, or a smaller model\n"
+                       if warned else ""), err
 
 
 def test_memory_check_on_a_mac_compares_with_the_gpus_working_set():
@@ -492,13 +539,15 @@ def test_generate_long_reports_its_progress_after_each_piece(tiny, monkeypatch, 
     """progress(done, total) after each piece that goes through the model before the last: done
     counts the prompt's tokens now in the cache (the piece has run), total the prompt's; with
     PREFILL_CHUNK 1024, (1024, total), (2048, total), ... Never for a prompt of one piece, and
-    always before the first token. The tokens are generate()'s."""
+    always before the first token. Where a piece runs within LAYER_SECONDS (here: always), it runs
+    in one mx.eval(), all its layers at once. The tokens are generate()'s."""
     config = li.load_config(tiny)
     weights = li.load_weights(tiny, config, mx.float32)
-    monkeypatch.setattr(li, "PREFILL_CHUNK", 16)  # 1024 would take seconds of CPU here
+    pieces_of(monkeypatch, 16)  # 1024 would take seconds of CPU here
     prompt = mx.random.randint(0, config.vocab_size, (length,), key=mx.random.key(8)).tolist()
     whole = tokens(li.generate(prompt, weights, config, max_tokens=5))
-    cache, events = li.make_cache(config), []
+    cache, events, evaluate = li.make_cache(config), [], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *arrays: (events.append("eval"), evaluate(*arrays)))
 
     def progress(done, total):
         events.append((done, total, [c.offset for c in cache]))
@@ -508,8 +557,40 @@ def test_generate_long_reports_its_progress_after_each_piece(tiny, monkeypatch, 
         generated.append(token_id)
         events.append("token")
     assert generated == whole
-    reported = [event for event in events if event != "token"]
+    reported = [event for event in events if isinstance(event, tuple)]
     assert [(done, total) for done, total, _ in reported] == [(done, length) for done in calls]
-    assert events[:len(reported)] == reported  # all of them before the first token
+    assert events[:2 * len(reported)] == [e for r in reported for e in ("eval", r)]  # then tokens
     for done, _, offsets in reported:
         assert offsets == [done] * config.num_hidden_layers  # the piece is in the cache
+
+
+def test_a_prefill_runs_a_layer_per_eval_in_pieces_sized_by_time(tiny, monkeypatch):
+    """Issue 32: Ctrl-C waited for a whole 1024-token piece (27.5 s on a CPU), since Python acts on
+    it only between mx.eval() calls. Now each mx.eval() of a prefill runs one layer of a piece (its
+    keys and values, in order), and each piece holds the tokens a layer ran in LAYER_SECONDS in
+    the piece before: here, on a clock set by hand, a layer takes 0.4 s whatever its size, so the
+    sizes halve from the first guess of 8 tokens. generate() gets at most what a layer runs in
+    LAYER_SECONDS (at least a token), and the count carries over to the next prefill."""
+    config = li.load_config(tiny)
+    weights = li.load_weights(tiny, config, mx.float32)
+    clock, evals, cache, evaluate = [0.0], [], li.make_cache(config), mx.eval
+
+    def one_layer(*arrays):  # which layers' keys and values this eval runs; it takes 0.4 s
+        evals.append([(i, name) for _, a in tree_flatten(arrays) for i, c in enumerate(cache)
+                      for name in ("keys", "values") if getattr(c, name) is a])
+        clock[0] += 0.4
+        evaluate(*arrays)
+
+    monkeypatch.setattr(mx, "eval", one_layer)
+    monkeypatch.setattr(li, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(li, "layer_tokens", 8)
+    assert li.LAYER_SECONDS == 0.2
+    prompt = mx.random.randint(0, config.vocab_size, (20,), key=mx.random.key(9)).tolist()
+    pieces = []
+    generated = tokens(li.generate_long(prompt, weights, config, 3, cache=cache, progress=lambda
+                                        done, total: pieces.append(done)))
+    assert generated == tokens(li.generate(prompt, weights, config, 3))
+    # After each layer: 8 tokens in 2 layers (4, 8), then 4 (10, 12), 2 (13, 14), then 1 each.
+    assert pieces == [4, 8, 10, 12, 13, 14, 14, 15, 15, 16, 16, 17, 17, 18, 18, 19]
+    assert evals == [[(0, "keys"), (0, "values")], [(1, "keys"), (1, "values")]] * 8
+    assert li.layer_tokens == 1  # for the next prefill

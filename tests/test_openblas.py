@@ -67,7 +67,7 @@ def test_hint_and_auto_dtype_on_the_command_line(tiny_model, tmp_path, blas):
     used = INSTALLED and blas == "default"
     device, dtype = ("cpu", "float32") if CPU_WHEEL else ("gpu", "bfloat16")  # either BLAS
     assert lines[0].startswith("Model: tiny-qwen3 "), lines[0]
-    assert lines[0].endswith(f" on {device}, {dtype}"), lines[0]
+    assert lines[0].endswith(f" on {device}, {dtype}, from {tiny_model}"), lines[0]
     hints = [line for line in lines if "OpenBLAS" in line]
     if CPU_WHEEL and not used:  # once, right under the model line, naming the install command
         assert hints == [lines[1]] == [cli.OPENBLAS_HINT]

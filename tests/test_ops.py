@@ -263,3 +263,12 @@ def test_part1_as_written_runs_no_fused_kernel_and_use_fused_kernels_runs_them(m
                             "scaled_dot_product_attention": blocks}
     scale = float(mx.abs(reference).max())
     assert scale > 1 and float(mx.abs(fused - reference).max()) <= 1e-4 * scale
+
+
+def test_replace_refuses_a_name_part_1_does_not_have():
+    """Issue 32: without its guard, replace(rms_nrom=...) added a global of that name and replaced
+    nothing: Part 1 went on running its own rms_norm, and nothing said so."""
+    rms_norm = li.rms_norm
+    with pytest.raises(NameError, match="^no function rms_nrom to replace$"):
+        li.replace(rms_nrom=li.fused_rms_norm)
+    assert "rms_nrom" not in vars(li) and li.rms_norm is rms_norm

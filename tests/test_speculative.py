@@ -33,10 +33,13 @@ def models(tmp_path_factory):
     return config, target, drafts
 
 
+PLAIN = {"make_cache": li.make_cache, "generate_long": li.generate_long}  # as imported
+
+
 def speculative(config, draft, k):
     """From now on li.generate_long drafts with `draft` (of config's shape); returns its rounds:
     (accepted, proposed) per target pass."""
-    li.replace(linear=li.quantized_linear, embed=li.quantized_embed)  # serve both, quantized or not
+    li.replace(linear=li.quantized_linear, embed=li.quantized_embed, **PLAIN)  # serve both
     return li.use_speculative((draft, config), k)
 
 
