@@ -435,6 +435,7 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 #   17. sampling          sample                          --min-p or --presence-penalty
 #   20. several machines  load_tensor, attention, swiglu  under mlx.launch
 #   21. experts           layer_shapes, load_tensor, swiglu   a qwen3_moe model
+#   22. speculative       make_cache, generate_long (14)  --draft-model
 
 def replace(**functions):
     """From now on, calls by these names (Part 1's functions) run the functions given. A misspelt
