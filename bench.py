@@ -367,6 +367,12 @@ def main():
                          "with the model split over the N processes, ours and mlx-lm's "
                          "model.shard(), then in process 0 alone (the first --prompt-lengths; "
                          f"at least {DISTRIBUTED_REPS} runs each)")
+    ap.add_argument("--draft-model", nargs="+", metavar="DRAFT",
+                    help="instead: speculative decoding, ours against mlx-lm's, with each draft: a "
+                         "folder or repo id, or q8 / q4 (the target's weights at 8 / 4 bits); "
+                         "the first --prompt-lengths")
+    ap.add_argument("--num-draft-tokens", type=count, nargs="+", default=[2, 4], metavar="K",
+                    help="with --draft-model: the k to measure (default: 2 4)")
     args = ap.parse_args()
     cache_tokens = args.decode_tokens or CACHE_TOKENS
     if args.cache_lengths and cache_tokens < 2:
@@ -384,7 +390,7 @@ def main():
     li.use_fused_kernels()  # as the command line does (section 12) ...
     li.compile_model()  # ... and section 13
     instead = (args.matmul or args.cache_lengths or args.primitives or args.chat_turns
-               or args.distributed)
+               or args.distributed or args.draft_model)
     if not instead and mx.default_device() == mx.cpu and not any(
             getattr(args, size) for size in ("tiny", "model", *FULL_RUN)):
         args.tiny = True
@@ -421,6 +427,7 @@ def main():
         try:
             check_request(model_dir, args.quantize, longest)
             config, weights, tokenizer, model = load_pair(model_dir, dtype, args.quantize)
+            drafts = [load_draft_pair(spec, model_dir, dtype) for spec in args.draft_model or []]
         except cli.UserError as e:
             sys.exit(f"bench.py: error: {e}")
         stored_bits = cli.check_config(model_dir, li.MODEL_TYPES).get("bits")  # a folder stored quantized
@@ -447,6 +454,9 @@ def main():
     if args.primitives:
         progress("the primitives of one decode step")
         print_primitives(primitives_per_step(weights, config, model))
+        return
+    if args.draft_model:
+        speculative_benchmark(weights, config, model, drafts, args)
         return
     runners = {"ours": ours(weights, config), "mlx-lm": mlx_lm_runner(model)}
     progress("memory bandwidth")
@@ -497,6 +507,158 @@ def main():
         print(f"one decode step, {name}: building the graph {build:.2f} ms (Python), running it {run:.2f} ms")
     progress("the primitives of one decode step")
     print_primitives(primitives_per_step(weights, config, model))
+
+
+# ------------------------------------------------------------------------------------------------
+# Speculative decoding (--draft-model): llm_inference's section 22 against mlx-lm's
+# speculative_generate_step
+# ------------------------------------------------------------------------------------------------
+#
+#     python bench.py --model TARGET --draft-model q8 q4 DRAFT --num-draft-tokens 2 4
+#
+# q8 and q4 stand for the target's own weights quantized to 8 and 4 bits (with random weights, a
+# different model agrees with the target on almost nothing, so its own quantized copy is the case
+# where proposals get accepted). Each draft, k and decoding (greedy; temperature 0.6 with top-p 0.95)
+# is timed for both runtimes, alternating, after a warm-up of each.
+
+SAMPLINGS = {"greedy": li.Sampling(), "sampled": li.Sampling(temperature=0.6, top_p=0.95)}
+LOAD_TENSOR = li.load_tensor  # Part 1's
+PLAIN = {}  # li.make_cache and li.generate_long as section 22 found them (set by the benchmark)
+
+
+def ours_drafted(weights, config, draft, k, sampling):
+    """(run, rounds): our generation, drafting k tokens a round with draft = (weights, config);
+    rounds: the last run's (accepted, proposed) per target pass."""
+    li.replace(**PLAIN)
+    rounds = li.use_speculative(draft, k)
+    drafted = {name: getattr(li, name) for name in PLAIN}
+
+    def run(prompt, n):
+        li.replace(**drafted)
+        return (token for token, _ in li.generate_long(prompt, weights, config, n, sampling))
+    return run, rounds
+
+
+def ours_plain(weights, config, sampling):
+    def run(prompt, n):
+        li.replace(**PLAIN)
+        return (token for token, _ in li.generate_long(prompt, weights, config, n, sampling))
+    return run, None
+
+
+def mlx_lm_drafted(model, draft_model, k, sampling):
+    """(run, rounds): mlx-lm's speculative_generate_step (draft_model None: generate_step). Its
+    rounds: one per token the target picked, plus one if the last came from the draft, each taken
+    to propose k (the last may have proposed fewer)."""
+    from mlx_lm.generate import generate_step, speculative_generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p)
+    rounds = []
+
+    def run(prompt, n):
+        if draft_model is None:
+            yield from (token for token, _ in generate_step(mx.array(prompt), model, max_tokens=n,
+                                                             sampler=sampler))
+            return
+        rounds.clear()
+        accepted = 0
+        for token, _, from_draft in speculative_generate_step(
+                mx.array(prompt), model, draft_model, num_draft_tokens=k, max_tokens=n,
+                sampler=sampler):
+            accepted += from_draft
+            if not from_draft:
+                rounds.append((accepted, k))
+                accepted = 0
+            yield token
+        if accepted:
+            rounds.append((accepted, k))
+    return run, rounds if draft_model is not None else None
+
+
+def pass_ms(weights, config, positions, context=128, reps=20):
+    """Median ms of one forward pass over `positions` new tokens after `context` cached ones."""
+    cache = PLAIN["make_cache"](config)
+    mx.eval(li.forward(mx.arange(context) % config.vocab_size, weights, config, cache))
+    times = []
+    for _ in range(reps + 2):  # two warm-ups
+        for layer_cache in cache:
+            layer_cache.offset = context
+        start = time.perf_counter()
+        mx.eval(li.forward(mx.arange(positions), weights, config, cache, last_only=False))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:]) * 1e3
+
+
+def load_draft_pair(spec, model_dir, dtype):
+    """(name, our (weights, config), mlx-lm's model) for q8, q4 (the target's own weights
+    quantized) or a folder or repo id."""
+    bits = {"q8": 8, "q4": 4}.get(spec)
+    folder = model_dir if bits else cli.find_model(spec, True, li.Config.__annotations__)
+    li.replace(load_tensor=LOAD_TENSOR)  # not an earlier draft's quantizing one (section 16)
+    config, weights, _, model = load_pair(folder, dtype, bits)
+    return spec, (weights, config), model
+
+
+def speculative_benchmark(weights, config, model, drafts, args):
+    """Decode tok/s, acceptance and tokens per target pass, ours and mlx-lm's, for each draft, k
+    and decoding; the same target without a draft; and what one pass costs."""
+    PLAIN.update(make_cache=li.make_cache, generate_long=li.generate_long)
+    prompt = mx.random.randint(0, config.vocab_size, (args.prompt_lengths[0],),
+                               key=mx.random.key(0)).tolist()
+    n, ks, reps = args.decode_tokens, args.num_draft_tokens, args.reps
+    print(f"speculative decoding: {len(prompt)}-token prompt, {n} tokens, {medians_of(reps)} "
+          "each, alternating ours and mlx-lm; acceptance: accepted / proposed; per pass: tokens "
+          "per target pass (ours: after the first token; mlx-lm's proposed count is k x rounds)")
+    print(f"{'draft':>12} {'k':>2} {'decoding':>8} | {'ours tok/s':>10} {'acc.':>5} {'/pass':>5} | "
+          f"{'mlx-lm tok/s':>12} {'acc.':>5} {'/pass':>5} | {'ours/mlx-lm':>11} {'same':>7}")
+    cells = [("none", None, None, 0)] + [(name, ours_draft, theirs, k)
+                                         for name, ours_draft, theirs in drafts for k in ks]
+    for name, ours_draft, theirs, k in cells:
+        for mode, sampling in SAMPLINGS.items():
+            runners = {"ours": ours_drafted(weights, config, ours_draft, k, sampling) if ours_draft
+                       else ours_plain(weights, config, sampling),
+                       "mlx-lm": mlx_lm_drafted(model, theirs, k, sampling)}
+            progress(f"draft {name}, k {k}, {mode}")
+            results = compare(runners, prompt, n, reps)
+            row = f"{name:>12} {k or '-':>2} {mode:>8} |"
+            for runner, (speed, accepted, per_pass, _) in results.items():
+                width = 10 if runner == "ours" else 12
+                row += f" {speed:{width}.1f} {accepted:>5} {per_pass:>5} |"
+            same = sum(a == b for a, b in zip(*(r[3] for r in results.values())))
+            ratio = results["ours"][0] / results["mlx-lm"][0]
+            print(f"{row} {ratio:10.2f}x {same:>3}/{n}" if mode == "greedy" else f"{row} "
+                  f"{ratio:10.2f}x {'-':>7}", flush=True)
+    rows = [("target, 1 position", weights, config, 1)]
+    rows += [(f"target, {k + 1} positions", weights, config, k + 1) for k in ks]
+    rows += [(f"draft {name}, 1 position", *ours_draft, 1) for name, ours_draft, _ in drafts]
+    li.replace(**PLAIN)
+    print("one forward pass after 128 cached tokens, ours, median of 20:")
+    for what, w, c, positions in rows:
+        print(f"  {what:<26} {pass_ms(w, c, positions):7.2f} ms")
+
+
+def compare(runners, prompt, n, reps):
+    """{runtime: (median decode tok/s, acceptance, tokens per target pass, first run's tokens)}."""
+    for run, _ in runners.values():
+        timed(run, prompt, min(n, 16))  # warm-up
+    speeds, stats, tokens = {name: [] for name in runners}, {name: [] for name in runners}, {}
+    for rep in range(reps):
+        for name in (list(runners) if rep % 2 == 0 else list(runners)[::-1]):
+            run, rounds = runners[name]
+            result = timed(run, prompt, n)
+            speeds[name].append(result["decode"])
+            tokens.setdefault(name, result["tokens"])
+            if rounds is not None:
+                accepted, proposed = map(sum, zip(*rounds))
+                first = name == "ours"  # our first token comes from the prefill pass
+                stats[name].append((accepted / proposed, (n - first) / len(rounds)))
+    summary = {}
+    for name in runners:
+        acc = f"{statistics.median(a for a, _ in stats[name]):.0%}" if stats[name] else "-"
+        per_pass = f"{statistics.median(p for _, p in stats[name]):.2f}" if stats[name] else "-"
+        summary[name] = (statistics.median(speeds[name]), acc, per_pass, tokens[name])
+    return summary
 
 
 # ------------------------------------------------------------------------------------------------

@@ -323,6 +323,33 @@ def check_split(model_dir, config, n, bits, stored, can_split):
                           f"quantization groups): use {', '.join(counts)}")
 
 
+def check_draft(args, model_dir, config, read_config, layer_shapes, read_tokenizer):
+    """--draft-model's folder, checked as --model's, able to serve the model (section 22); returns
+    (folder, its config, its "quantization") or None. read_...: llm_inference's load_config, ..."""
+    if not args.draft_model:
+        return None
+    if mx.distributed.init().size() > 1:  # each process would need its share of the draft too
+        raise SharedError("--draft-model runs in one process only: drop it under mlx.launch")
+    fields, name = type(config).__annotations__, f"--draft-model {args.draft_model}"
+    folder = find_model(args.draft_model, not args.no_download, fields)
+    stored, draft = check_config(folder, fields), read_config(folder)  # stored quantized: as is
+    if draft.vocab_size != config.vocab_size:  # q and p would not line up
+        raise UserError(f"{name} has {draft.vocab_size} vocabulary entries, the model "
+                        f"{config.vocab_size}: a draft needs the model's vocabulary")
+    draft = check_weights(folder, draft, stored, layer_shapes(draft))
+    tokens = lambda where: (Path(where) / "tokenizer.json").read_bytes()
+    with reading(Path(folder) / "tokenizer.json"):  # the same file, or the same ids for the tokens
+        if tokens(folder) != tokens(model_dir) and (read_tokenizer(folder).get_vocab(True)
+                                                    != read_tokenizer(model_dir).get_vocab(True)):
+            raise UserError(f"{name} has another tokenizer (its tokenizer.json maps ids to other "
+                            "tokens): a draft needs the model's tokenizer")
+    size = lambda c: sum(math.prod(shape) for shape in tensor_shapes(c, layer_shapes(c)).values())
+    if size(draft) > size(config):
+        print(f"warning: {name} has more weights than the model: drafting with it slows decoding "
+              "down", file=sys.stderr)
+    return folder, draft, stored
+
+
 # --- Memory: will the weights fit? ----------------------------------------------------------------
 
 def weight_bytes(shapes, dtype, quantizable, bits=None, group_size=GROUP_SIZE, stored=None):
@@ -667,6 +694,11 @@ def parse_args(argv):
         "MLX_ENABLE_TF32=0 is set")
     add("--quantize", type=int, choices=[4, 8], metavar="{4,8}",
         help="store the weights in 4 or 8 bits, as mlx_lm.convert does: less memory")
+    add("--draft-model", type=model_name, help="a smaller Qwen3 with the same tokenizer (a folder "
+        "or repo id) that proposes tokens for the model to check: the same text, sooner where "
+        "reading the weights limits decoding (speculative decoding, section 22)")
+    add("--num-draft-tokens", type=number(int, "count"), default=2, metavar="N",
+        help="tokens the draft proposes per round (%(default)s, chosen in docs/performance.md)")
     lab = ap.add_argument_group("experiments (README, Experiments)").add_argument
     lab("--top-probs", type=number(int, "top_probs"), metavar="N",
         help="print the N likeliest first tokens (at most 1000) and their probabilities")
@@ -688,6 +720,8 @@ def parse_args(argv):
         if given and args.trace and flag != "--trace":  # the trace makes no reply
             ap.error(f"{flag} does not apply to --trace, which runs one forward pass and ends "
                      "with the 5 likeliest tokens")
+    if args.draft_model and (args.no_cache or args.trace or args.presence_penalty):
+        ap.error("--draft-model does not apply with --no-cache, --trace or --presence-penalty")
     if args.system is not None:  # the same on every process: said once (section 20)
         args.system = as_text(args.system, "--system", SharedError)
     if args.chat and args.temperature == 0:
@@ -974,8 +1008,18 @@ def stream(tokens, printer, on_first_logits=None):
     return interrupted, first - start - PREFILL.spent, end - first - untimed
 
 
-def complete(tokens, tokenizer, text_stream, args, n_prompt, drawn=None):
-    """Print a completion as it comes (and --top-probs' table), then the statistics; exit code."""
+def drafted(rounds, n):
+    """' | Draft: 40/48 accepted (83%), ...' for n tokens and section 22's rounds, else ''."""
+    if not rounds:
+        return ""
+    accepted, proposed = map(sum, zip(*rounds))
+    return (f" | Draft: {accepted}/{proposed} accepted ({accepted / proposed:.0%}), "
+            f"{(n - 1) / len(rounds):.2f} tokens per target pass")  # the first: the prefill's
+
+
+def complete(tokens, tokenizer, text_stream, args, n_prompt, drawn=None, rounds=None):
+    """Print a completion as it comes (and --top-probs' table), then the statistics; exit code.
+    rounds: section 22's, when a draft model proposes the tokens."""
     printer = ReplyPrinter(tokenizer, text_stream, args.hide_think)
     top_probs = args.top_probs and (lambda logits: print_top_probs(
         logits, tokenizer, args.top_probs, drawn=drawn))
@@ -984,7 +1028,8 @@ def complete(tokens, tokenizer, text_stream, args, n_prompt, drawn=None):
     print(f"{'Interrupted. ' if interrupted else ''}Prompt: {plural(n_prompt, 'token')}"
           f"{rate(n_prompt if n else 0, prefill_s)} | Generated: {plural(n, 'token')}"
           f"{rate(n - 1, decode_s)} | Prefill + decode: {prefill_s + decode_s:.2f} s | "
-          f"Peak memory: {mx.get_peak_memory() / 1e9:.2f} GB", file=status(interrupted))
+          f"Peak memory: {mx.get_peak_memory() / 1e9:.2f} GB{drafted(rounds, n)}",
+          file=status(interrupted))
     return 130 if interrupted else 0
 
 
@@ -1064,8 +1109,9 @@ def check_chat_room(n_format, max_tokens, context, system):
 
 
 def chat_loop(chat, text_stream, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda: None,
-              group=None):
-    """Talk until end of input, Ctrl-D or /exit; new_reply() runs before each reply (section 17)."""
+              group=None, rounds=None):
+    """Talk until end of input, Ctrl-D or /exit; new_reply() runs before each reply (section 17);
+    rounds: section 22's, when a draft model proposes the tokens."""
     interactive = sys.stdin.isatty()
     if interactive:
         if hasattr(sys.stdin, "reconfigure"):  # bytes not UTF-8 then reach as_text: one line
@@ -1112,7 +1158,8 @@ def chat_loop(chat, text_stream, max_tokens, sampling, eos_ids, hide_think, new_
             thinking = f", {printer.n_thinking} thinking" if printer.n_thinking else ""
             print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: {chat.reused} tokens "
                   f"reused from the cache, {chat.prefilled} prefilled at {prefill:.1f} tok/s | "
-                  f"Reply: {plural(n, 'token')}{thinking}{rate(printer.n_tokens - 1, decode_s)}",
+                  f"Reply: {plural(n, 'token')}{thinking}{rate(printer.n_tokens - 1, decode_s)}"
+                  f"{drafted(rounds, printer.n_tokens)}",
                   file=status(interrupted))
         if interrupted and group and group.size() > 1:  # the others wait in step: the chat ends
             return 130

@@ -435,6 +435,7 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 #   17. sampling          sample                          --min-p or --presence-penalty
 #   20. several machines  load_tensor, attention, swiglu  under mlx.launch
 #   21. experts           layer_shapes, load_tensor, swiglu   a qwen3_moe model
+#   22. speculative       make_cache, generate_long (14)  --draft-model
 
 def replace(**functions):
     """From now on, calls by these names (Part 1's functions) run the functions given. A misspelt
@@ -1039,6 +1040,96 @@ def use_experts(config, bits=None):
     replace(layer_shapes=router, load_tensor=load_stacked, swiglu=either)
 
 
+# --- 22. Speculative decoding: a small model drafts, the large one checks (--draft-model) --------
+#
+# Where reading the weights limits decoding (section 16), a pass over a few positions costs about
+# what a pass over one does. Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) uses
+# that: a draft model with the same tokenizer (Qwen3-0.6B for Qwen3-8B) proposes k tokens, and the
+# target checks them in one pass. A round, for k = 4 (numbered so in the code):
+#   1. draft      the draft draws d1 ... d4 after the last token t: q, its distributions (4, vocab)
+#   2. verify     the target's forward([t, d1, ..., d4], last_only=False): p, its own    (5, vocab)
+#   3. accept     each d in turn with probability min(1, p(d) / q(d)), up to the first rejection;
+#                 then one token of the target's there, from max(0, p − q) normalised (after d4: p)
+#   4. roll back  both caches forget the rejected positions: `offset` moves back, nothing is copied
+# Token x then comes out as likely as in the target's own draw: min(p(x), q(x)) as a proposal, the
+# rest of p(x) from the residual. p and q are what sample() draws from, after every filter. Greedy,
+# each is all on its argmax, and the text is the target's greedy text (to rounding: one pass over 5
+# positions may round otherwise than 5 over 1). mlx-lm keeps a proposal when the target's own draw
+# agrees: exact too, but that happens with probability Σ p·q, not Σ min(p, q). Where it pays:
+# docs/performance.md.
+
+def distribution(logits, sampling, min_p=0.0):
+    """What sample() draws from, as probabilities (vocab,); greedy, all on the argmax."""
+    if sampling.temperature == 0:
+        return (mx.arange(logits.shape[-1]) == mx.argmax(logits)).astype(mx.float32)
+    return mx.softmax(filter_min_p(filter_logits(logits, sampling), min_p))  # min-p: section 17
+
+
+def verify(p, q, proposals, test_key, draw_key):
+    """Step 3 for p (k + 1, vocab), q (k, vocab) and the k proposals: which pass (k,), and at each
+    position the target's token (k + 1,), drawn from max(0, p − q). Leading axes: rounds at once."""
+    at = lambda probs: mx.take_along_axis(probs, proposals[..., None], axis=-1)[..., 0]
+    passed = mx.random.uniform(shape=proposals.shape, key=test_key) * at(q) < at(p[..., :-1, :])
+    residual = mx.maximum(p - mx.concatenate([q, mx.zeros_like(q[..., :1, :])], axis=-2), 0)
+    return passed, mx.random.categorical(mx.log(residual), key=draw_key)  # normalises it
+
+
+def load_draft(folder, config, stored, dtype, bits):
+    """The draft's (weights, config), quantized as --quantize asks, or as stored (section 16)."""
+    if bits or stored:  # the draft's settings; main() sets the target's after
+        use_quantization(bits, stored)
+    with cli.reading(folder, "re-download the draft model"):
+        return load_weights(folder, config, dtype), config
+
+
+def use_speculative(draft, k, min_p=0.0):
+    """Replaces make_cache (a cache holds the target's layers, then the draft's: the chat rolls back
+    both) and generate_long (14). Returns the last run's (accepted, proposed) per target pass."""
+    one_cache, prefill_long, rounds = make_cache, generate_long, []
+
+    def generate_drafted(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
+                         cache=None, progress=None):
+        cache = make_cache(config) if cache is None else cache  # both hold the same tokens
+        target, drafter = cache[: config.num_hidden_layers], cache[config.num_hidden_layers :]
+        rounds.clear()
+        next(prefill_long(prompt_ids, *draft, 1, cache=drafter))  # the draft's prefill
+        _, logits = next(prefill_long(prompt_ids, weights, config, 1, Sampling(), (), target,
+                                      progress))
+        key, pick = mx.random.split(mx.random.key(sampling.seed))  # as generate() starts
+        new, unread, n_out = [(sample(logits, sampling, pick).item(), logits)], [], 0
+        while True:
+            for token, logits in new:  # `token` stays the last one yielded
+                yield token, logits
+                n_out += 1
+                if token in eos_ids or n_out == max_tokens:
+                    return
+            x, proposals, q = mx.array(unread + [token]), [], []  # 1. draft: what it has not read
+            for _ in range(k):
+                q.append(distribution(forward(x, *draft, drafter), sampling, min_p))
+                key, pick = mx.random.split(key)
+                x = mx.random.categorical(mx.log(q[-1]), key=pick)[None]  # (1,)
+                mx.async_eval(x)  # computed while the next step is recorded
+                proposals.append(x)
+            start, proposals = target[0].offset, mx.concatenate(proposals)  # (k,)
+            logits = forward(mx.concatenate([mx.array([token]), proposals]), weights, config,
+                             target, last_only=False)  # 2. verify: (k + 1, vocab)
+            mx.async_eval(logits)  # the GPU runs the pass while the rest of the round is recorded
+            p = mx.stack([distribution(row, sampling, min_p) for row in logits])
+            key, test_key, draw_key = mx.random.split(key, 3)
+            passed, extra = verify(p, mx.stack(q), proposals, test_key, draw_key)  # 3. accept
+            mx.eval(passed, extra)
+            n, proposals = (passed.tolist() + [False]).index(False), proposals.tolist()
+            for layer_cache in cache:  # 4. roll back to t, d1 ... dn (the draft read up to dk-1)
+                layer_cache.offset = min(layer_cache.offset, start + 1 + n)
+            unread = proposals[-1:] if n == k else []  # all passed: the draft never read dk
+            rounds.append((n, k))
+            new = list(zip(proposals[:n] + [extra.tolist()[n]], logits))
+
+    replace(make_cache=lambda config: one_cache(config) + one_cache(draft[1]),
+            generate_long=generate_drafted)
+    return rounds
+
+
 # ================================================================================================
 # MAIN: the wiring of `python llm_inference.py` (the program around it is in cli.py)
 # ================================================================================================
@@ -1066,11 +1157,15 @@ def main(argv=None):
     with cli.reading(model_dir / "tokenizer.json"):
         tokenizer = load_tokenizer(model_dir)
     cli.check_tokenizer(tokenizer, config, model_dir)
+    draft = cli.check_draft(args, model_dir, config, load_config, layer_shapes, load_tokenizer)
     generation_config = cli.load_generation_config(model_dir)
     sampling, min_p, presence_penalty = cli.sampling_settings(args, generation_config, Sampling,
                                                               group)
 
     # Part 2's replacements, all of them: from here on, Part 1's calls run these.
+    # Section 22 first: its draft loads through section 16's loader set to the draft's settings.
+    rounds = draft and use_speculative(load_draft(*draft, dtype, args.quantize),
+                                       args.num_draft_tokens, min_p)  # make_cache, generate_long
     if args.quantize or stored:
         use_quantization(args.quantize, stored)  # section 16: load_tensor, linear, embed
     if isinstance(config, MoEConfig):  # before section 20, which splits what it loads and sums
@@ -1101,7 +1196,7 @@ def main(argv=None):
               file=sys.stderr)
         chat = Chat(weights, config, tokenizer, args.system, think=not args.no_think)
         return cli.chat_loop(chat, text_stream, max_tokens, sampling, eos_ids, args.hide_think,
-                             new_reply, group)
+                             new_reply, group, rounds)
     text = chat_prompt(prompt, args.system, not args.no_think) if args.chat else prompt
     prompt_ids = tokenize(tokenizer, text)
     cli.check_prompt(prompt_ids, config, max_tokens, args.trace)
@@ -1121,7 +1216,7 @@ def main(argv=None):
     # --top-probs shows the probabilities the first token is drawn from (sections 10, 17) too
     drawn = lambda logits: filter_min_p(filter_logits(logits, sampling), min_p)
     return cli.complete(tokens, tokenizer, text_stream, args, len(prompt_ids),
-                        drawn if sampling.temperature else None)
+                        drawn if sampling.temperature else None, rounds)
 
 
 if __name__ == "__main__":

@@ -407,3 +407,18 @@ def test_cache_lengths_take_decode_tokens(checkpoints, load_once, monkeypatch, c
     assert exit.value.code == 2 and capsys.readouterr().err == (
         "bench.py: error: argument --decode-tokens: --cache-lengths needs at least 2 (a decode "
         "speed is timed from the second token) (see --help)\n")
+
+
+def test_draft_model_compares_both_runtimes_with_and_without_a_draft(tiny_folder, load_once,
+                                                                    monkeypatch, capsys):
+    """--draft-model q8: the target alone, then drafted by its 8-bit copy, greedy and sampled, ours
+    and mlx-lm's speculative_generate_step; greedy, both give the target's tokens."""
+    monkeypatch.setattr(bench, "pass_ms", lambda *args: 1.0)
+    assert bench_main(monkeypatch, "--model", tiny_folder, "--draft-model", "q8",
+                      "--num-draft-tokens", 2, "--prompt-lengths", 5, "--decode-tokens", 4,
+                      "--reps", 1) is None
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if "|" in line][1:]
+    assert [row[:3] for row in rows] == [["none", "-", "greedy"], ["none", "-", "sampled"],
+                                        ["q8", "2", "greedy"], ["q8", "2", "sampled"]]
+    assert rows[0][-1] == rows[2][-1] == "4/4"  # the same greedy tokens, with a draft or without
+    assert all(row[5].endswith("%") and row[9].endswith("%") for row in rows[2:])

@@ -31,6 +31,7 @@ from tests.test_cli import (  # noqa: F401 (fixtures)
     Reference,
     assert_one_line_error,
     cli_env,
+    converted_4bit,
     paused_script,
     read_until_paused,
     run_cli,
@@ -205,6 +206,33 @@ def test_a_conversation_outgrowing_the_context_forgets_its_oldest_turns(
         history.append((message, reply))
     assert out == expected
     assert [int(t[2]) for t in turn_lines(err)] == [1, 2, 3, 4]
+
+
+def test_a_drafted_chat_replies_as_an_undrafted_one(tiny_model, converted_4bit, variant,
+                                                    monkeypatch, capsys):
+    """--draft-model in a chat: both caches live for the whole conversation. Over several turns, a
+    /reset and make_room's dropping of the oldest turns, the greedy replies with the model's 4-bit
+    copy drafting (it accepts some proposals, rejects others) are those without a draft."""
+    config = json.loads((tiny_model / "config.json").read_text()) | {"max_position_embeddings": 35}
+    folder = variant("short-context", config_json=config)
+    runs = []
+    for flags in ([], ["--draft-model", str(converted_4bit), "--num-draft-tokens", "2"]):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"One\n/reset\nTwo\nThree\n")))
+        assert li.main(["--model", str(folder), "--chat", "--no-think", "--temperature", "0",
+                        "--max-tokens", "6", *flags]) == 0
+        runs.append(capsys.readouterr())
+    assert runs[1].out == runs[0].out
+    lines = runs[1].err.splitlines()
+    assert "(conversation reset)" in lines
+    assert any(line.startswith("(the conversation outgrew the 35-token context") for line in lines)
+    turns = [[TURN.match(line.split(" | Draft: ")[0]) for line in run.err.splitlines()
+              if line.startswith("Turn ")] for run in runs]
+    # The same tokens reused from the cache, prefilled and replied, turn by turn.
+    assert [t.group(2, 3, 4, 5) for t in turns[1]] == [t.group(2, 3, 4, 5) for t in turns[0]]
+    counts = [re.search(r" \| Draft: (\d+)/(\d+) accepted", line) for line in lines
+              if line.startswith("Turn ")]
+    assert len(counts) == 3 and all(counts)
+    assert 0 < sum(int(c[1]) for c in counts) < sum(int(c[2]) for c in counts)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1094,6 +1094,82 @@ def test_prompt_stdin_not_utf8(tiny_model, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
+# --draft-model: speculative decoding (section 22; the rule itself in tests/test_speculative.py)
+# ------------------------------------------------------------------------------------------------
+
+DRAFTED = re.compile(r" \| Draft: (\d+)/(\d+) accepted \(\d+%\), [\d.]+ tokens per target pass$")
+
+
+def test_a_draft_model_leaves_the_text_as_it_is_and_reports_its_acceptance(
+        tiny_model, converted_4bit, greedy_24, capsys):
+    """The model's 4-bit copy, stored quantized by mlx-lm (and read as stored), drafts: the greedy
+    text is the model's own, and the closing line counts the proposals it accepted."""
+    assert li.main(["--model", str(tiny_model), "--draft-model", str(converted_4bit),
+                    "--max-tokens", "24", "--num-draft-tokens", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert out == greedy_24 + "\n"
+    last = stderr_lines(err)[-1]
+    drafted = DRAFTED.search(last)
+    assert drafted and STATS.search(last[:drafted.start()]), last
+    assert 0 < int(drafted[1]) < int(drafted[2])  # some accepted, some rejected
+
+
+def test_a_draft_with_another_vocabulary_is_refused_before_any_weights_load(tiny_model, variant,
+                                                                             monkeypatch):
+    folder = variant("draft", config_json=tiny_config(tiny_model) | {"vocab_size": 151680})
+    monkeypatch.setattr(li, "load_weights", lambda *args: pytest.fail("weights were loaded"))
+    with pytest.raises(cli.UserError) as refused:
+        li.main(["--model", str(tiny_model), "--draft-model", str(folder)])
+    assert str(refused.value) == (f"--draft-model {folder} has 151680 vocabulary entries, the model "
+                                  "151936: a draft needs the model's vocabulary")
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tiny_model, reference, variant):
+    """Another tokenizer.json: its map of tokens to ids is compared with the model's. The same map
+    passes; two tokens that trade ids do not."""
+    folder = variant("draft", tokenizer_json=b"another file")
+    args = cli.parse_args(["--draft-model", str(folder)])
+    vocab = reference.tokenizer.get_vocab(True)
+    for draft_vocab in (vocab, vocab | {"a": vocab["b"], "b": vocab["a"]}):
+        draft_tokenizer = type("Tokenizer", (), {"get_vocab": lambda self, added: draft_vocab})()
+        read = lambda where: reference.tokenizer if where == tiny_model else draft_tokenizer
+        check = lambda: cli.check_draft(args, tiny_model, reference.config, li.load_config,
+                                        li.layer_shapes, read)
+        if draft_vocab is vocab:
+            assert check()[0] == folder
+        else:
+            with pytest.raises(cli.UserError, match=r"has another tokenizer \(its tokenizer.json "
+                                                    r"maps ids to other tokens\): a draft needs"):
+                check()
+
+
+def test_a_draft_larger_than_the_model_is_warned_about(tiny_model, reference, capsys):
+    args = cli.parse_args(["--model", "x", "--draft-model", str(tiny_model)])
+    smaller = reference.config._replace(num_hidden_layers=1)  # the model it drafts for
+    assert cli.check_draft(args, tiny_model, smaller, li.load_config, li.layer_shapes,
+                           li.load_tokenizer)[0] == tiny_model
+    assert capsys.readouterr().err == (f"warning: --draft-model {tiny_model} has more weights than "
+                                       "the model: drafting with it slows decoding down\n")
+
+
+def test_a_draft_is_refused_under_mlx_launch_and_with_flags_it_does_not_serve(
+        tiny_model, reference, monkeypatch, capsys):
+    for flag in (["--no-cache"], ["--trace"], ["--presence-penalty", "1"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--draft-model", str(tiny_model), *flag])
+        assert capsys.readouterr().err.endswith("error: --draft-model does not apply with "
+                                                "--no-cache, --trace or --presence-penalty "
+                                                "(see --help)\n")
+    group = type("Group", (), {"size": lambda self: 2, "rank": lambda self: 0})()
+    monkeypatch.setattr(mx.distributed, "init", lambda *args, **kwargs: group)
+    args = cli.parse_args(["--draft-model", str(tiny_model)])
+    with pytest.raises(cli.SharedError, match="^--draft-model runs in one process only: drop it "
+                                              "under mlx.launch$"):
+        cli.check_draft(args, tiny_model, reference.config, li.load_config, li.layer_shapes,
+                        li.load_tokenizer)
+
+
+# ------------------------------------------------------------------------------------------------
 # 3. The default model folder and its download
 # ------------------------------------------------------------------------------------------------
 
