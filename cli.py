@@ -43,6 +43,7 @@ NOT_INSTALLED = ("%s: error: the package %s is not installed here: activate the 
                  "environment (. .venv/bin/activate), or pip install -r requirements.txt")
 try:
     import mlx.core as mx  # noqa: E402 (after the preload)
+    import tokenizers  # noqa: F401 (llm_inference.py's, found missing here in one line)
 except ModuleNotFoundError as e:
     if e.name not in RUNTIME:  # a module missing inside MLX itself: its traceback
         raise
@@ -785,9 +786,10 @@ def check_prompt(prompt_ids, config, max_new, trace):
 
 # --- Terminal output: the header, a reply as it comes, tables, the statistics line -------------
 
-def print_header(model_arg, model_dir, config, n, dtype, weights, how, prompt=None, n_prompt=0):
+def print_header(model_arg, model_dir, config, n, dtype, weights, how, max_tokens, prompt=None,
+                 n_prompt=0):
     """Model: ... (a repo id or folder as given, and where its weights are), an OpenBLAS hint,
-    Prompt: ... unless chatting."""
+    then Prompt: ..., or Chat: ... for a chat (prompt None)."""
     repo = model_arg and not Path(model_arg).exists() and repo_id(model_arg)
     folder = os.path.abspath(model_dir)  # a link named as given, not as its target
     c, matrices = config, [weights["embed_tokens"], weights["lm_head"],
@@ -801,7 +803,9 @@ def print_header(model_arg, model_dir, config, n, dtype, weights, how, prompt=No
           f"{'the Hugging Face cache' if repo else folder}", file=sys.stderr)
     if MLX_CPU_WHEEL and not OPENBLAS:
         print(OPENBLAS_HINT, file=sys.stderr)
-    if prompt is not None:
+    if prompt is None:
+        print(f"Chat: {how}, up to {max_tokens} tokens per reply. {CHAT_HELP}.", file=sys.stderr)
+    else:
         shortened = prompt if len(prompt) <= 60 else prompt[:60] + "…"  # a prompt may be a file
         how = f", {how}" if how else ""  # --trace draws nothing
         print(f"Prompt: {shown(shortened)} ({plural(n_prompt, 'token')}){how}", file=sys.stderr)

@@ -24,7 +24,6 @@ value is needed (`print(y)`, `y.item()`, `mx.eval(y)`). generate() (section 11) 
 
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -475,10 +474,9 @@ def use_fused_kernels():
 #
 # mx.compile traces a function once, then replays the recorded graph as one call, with element-wise
 # steps fused. silu_gate's sigmoid and two products become one kernel: one pass over the (seq,
-# 3072) activations instead of three. Matrix products and section 12's kernels are single kernels
-# already, and replaying costs Python more than recording a few of them. So silu_gate is all we
-# compile. shapeless=True makes one trace serve every sequence length. While tracing, arrays are
-# placeholders, so print(x) inside a compiled function fails (try it with --no-compile).
+# 3072) activations instead of three. Matrix products and section 12's kernels are one kernel
+# each already, so silu_gate is all we compile. shapeless=True makes one trace serve every
+# sequence length. While tracing, arrays are placeholders: print(x) inside it fails.
 
 compiled_silu_gate = mx.compile(silu_gate, shapeless=True)
 
@@ -566,11 +564,6 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
 # 4.5 bits at 4 bits, instead of 16: 3.6x smaller (8.5 bits at 8 bits: 1.9x smaller). The price is
 # rounding. Most weights move by up to half a level, and every product moves with them
 # (docs/performance.md measures how much, on one layer).
-#
-# use_quantization() replaces three Part 1 functions. load_tensor() quantizes each matrix as it is
-# read, or takes it as stored quantized. linear() multiplies with mx.quantized_matmul, which unpacks
-# each group inside the product, so the full-precision matrix never exists in memory. embed()
-# unpacks only the rows it picks.
 
 GROUP_SIZE = 64  # weights sharing one scale and bias (mlx-lm's default)
 
@@ -597,8 +590,9 @@ def quantize(weight, bits, dtype):
 
 
 def quantized_linear(x, weight):
-    """linear() that also takes Quantized weights: x @ dequantized(weight).T, without the copy.
-    (It cannot call linear(): once replaced, that name is this function.)"""
+    """linear() that also takes Quantized weights. mx.quantized_matmul unpacks each group inside
+    the product, so the full-precision matrix never exists in memory. (It cannot call linear():
+    once replaced, that name is this function.)"""
     if not isinstance(weight, Quantized):
         return x @ weight.T
     return mx.quantized_matmul(x, weight.packed, weight.scales, weight.biases, transpose=True,
@@ -681,9 +675,9 @@ def use_extra_sampling(min_p, presence_penalty, vocab_size):
 
 # --- 18. Chat: one KV cache for a whole conversation ----------------------------------------------
 #
-# Qwen3 was trained on conversations in a chat format, each turn <|im_start|>role\n...<|im_end|>\n.
-# At every turn, its chat template (in tokenizer_config.json) renders the whole conversation again,
-# and the model reads all of it:
+# Qwen3 was trained on conversations in a chat format, with markers that the tokenizer maps to one
+# special id each. At every turn, its chat template (in tokenizer_config.json) renders the whole
+# conversation again, and the model reads all of it:
 #
 #   <|im_start|>system\n{system}<|im_end|>\n            (if there is one)
 #   <|im_start|>user\n{message}<|im_end|>\n
@@ -693,26 +687,22 @@ def use_extra_sampling(min_p, presence_penalty, vocab_size):
 #   <|im_start|>assistant\n                             (+ <think>\n\n</think>\n\n for no thinking)
 #
 # Most of that is already in the cache from the turn before. The cache keeps the longest prefix it
-# shares with the new rendering and forgets the rest, which costs nothing: setting `offset` back is
-# enough, as new keys and values overwrite the old. Only a prefix can be kept, because a token's
-# keys and values depend on its position (RoPE) and on every token before it. After the first token
-# that differs, everything is computed again.
+# shares with the new rendering, by setting `offset` back: new keys and values overwrite the old.
+# Only a prefix can be kept, because a token's keys and values depend on its position (RoPE) and
+# on every token before it.
 #
 # And something does differ, because the template rewrites history. Once a new user message
-# follows, a reply's <think>...</think> reasoning is dropped: it has served its purpose, and Qwen3
-# was trained on conversations without it. An empty think block goes too. So each turn rolls back
+# follows, a reply's <think>...</think> reasoning is dropped: Qwen3 was trained on conversations
+# without it. An empty think block goes too. So each turn rolls back
 # to the start of the last reply, then prefills its answer and the new message. (A reply cut off
 # while thinking has no </think>, and the template keeps it whole.) Earlier replies enter the
 # history as the ids the model generated: tokenizing their text again could split it otherwise.
 
 def chat_prompt(user, system=None, think=True):
-    """Qwen3's chat format for one message, written out by hand.
-
-    The text ends by opening the assistant's turn, so the likeliest continuation is a reply. Qwen3
-    first "thinks" inside <think>...</think>. An empty think block, which Qwen's template writes for
-    enable_thinking=False, makes it answer directly. system="" writes an empty system turn, and None
-    writes none. The tokenizer maps each marker such as <|im_start|> to one special id.
-    """
+    """Qwen3's chat format for one message, written out by hand. It ends by opening the
+    assistant's turn, so the likeliest continuation is a reply. An empty think block, which Qwen's
+    template writes for enable_thinking=False, makes it answer without thinking first. system=""
+    writes an empty system turn, and None writes none."""
     text = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
     text += f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
     return text if think else text + "<think>\n\n</think>\n\n"
@@ -779,10 +769,8 @@ class Chat:
                 yield token_id, logits
         finally:  # finished, stopped by the caller, or interrupted by Ctrl-C inside generate()
             self.turns.append((message, reply))
-            # What the cache holds now. `offset` counts the positions written (MLX computes them
-            # when next read). generate() may have fed one token more than it yielded: the
-            # <|im_end|> that ended the reply, not in `reply`, is left out here. And a step
-            # interrupted midway may have reached only some layers: the least of them counts.
+            # The ids whose keys and values the cache holds: `offset` of them, the least over the
+            # layers (Ctrl-C may stop a step midway). A fed <|im_end|> is not in `reply`: left out.
             self.cached_ids = (ids + reply)[:min(c.offset for c in self.cache)]
 
 
@@ -1191,16 +1179,14 @@ def main(argv=None):
     if prompt is None:  # --chat: a conversation, one KV cache for all of it (section 18)
         n_format = len(tokenize(tokenizer, chat_prompt("", args.system, not args.no_think)))
         cli.check_chat_room(n_format, max_tokens, config.max_position_embeddings, args.system)
-        cli.print_header(args.model, model_dir, config, n, dtype, weights, how)
-        print(f"Chat: {how}, up to {max_tokens} tokens per reply. {cli.CHAT_HELP}.",
-              file=sys.stderr)
+        cli.print_header(args.model, model_dir, config, n, dtype, weights, how, max_tokens)
         chat = Chat(weights, config, tokenizer, args.system, think=not args.no_think)
         return cli.chat_loop(chat, text_stream, max_tokens, sampling, eos_ids, args.hide_think,
                              new_reply, group, rounds)
     text = chat_prompt(prompt, args.system, not args.no_think) if args.chat else prompt
     prompt_ids = tokenize(tokenizer, text)
     cli.check_prompt(prompt_ids, config, max_tokens, args.trace)
-    cli.print_header(args.model, model_dir, config, n, dtype, weights, how, prompt,
+    cli.print_header(args.model, model_dir, config, n, dtype, weights, how, max_tokens, prompt,
                      len(prompt_ids))
     if args.trace:  # section 19
         final = forward(mx.array(prompt_ids), weights, config, make_cache(config))
