@@ -184,21 +184,28 @@ def weight_files(model_dir):
     return [model_dir / name for name in sorted(names)]
 
 
-def tensor_shapes(config, layer_shapes):
-    """Every tensor Part 1 loads, with its shape; layer_shapes: one block's (layer_shapes()), or
-    each block's (a list: llm_inference.block_shapes(), for a mixture of experts)."""
+def tensor_shapes(config, layer_shapes, has_experts=None):
+    """Every tensor Part 1 loads, with its shape. layer_shapes(c): a block's. A block with experts
+    (has_experts(c, i), section 21) stores a router and each expert's SwiGLU in place of its own."""
     c = config
-    each = layer_shapes if isinstance(layer_shapes, list) else [layer_shapes] * c.num_hidden_layers
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
               "model.norm.weight": (c.hidden_size,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i, block in enumerate(each):
+    blocks = [layer_shapes(c)] * c.num_hidden_layers
+    if hasattr(c, "num_experts"):
+        one = layer_shapes(c._replace(intermediate_size=c.moe_intermediate_size))  # an expert's
+        experts = {name: shape for name, shape in blocks[0].items() if not name.startswith("mlp.")}
+        experts["mlp.gate.weight"] = (c.num_experts, c.hidden_size)  # the router: (128, 2048)
+        experts |= {f"mlp.experts.{e}.{name[4:]}": shape for e in range(c.num_experts)
+                    for name, shape in one.items() if name.startswith("mlp.")}
+        blocks = [experts if has_experts(c, i) else blocks[0] for i in range(len(blocks))]
+    for i, block in enumerate(blocks):
         shapes |= {f"model.layers.{i}.{name}": shape for name, shape in block.items()}
     return shapes
 
 
-def check_weights(model_dir, config, stored, layer_shapes):
+def check_weights(model_dir, config, stored, layer_shapes, has_experts=None):
     """Every tensor Part 1 needs, with its shape and a dtype it reads, and none config.json does
     not describe (mx.load reads only the headers). Returns config, untied for a head of its own."""
     files, tensors, model_dir = weight_files(model_dir), {}, Path(model_dir)
@@ -207,13 +214,14 @@ def check_weights(model_dir, config, stored, layer_shapes):
             path.open("rb").close()  # the OS's reason (no such file, a directory): MLX's is vaguer
             tensors |= {name: (path, tensor) for name, tensor in mx.load(str(path)).items()}
     where = files[0] if len(files) == 1 else f"the sharded checkpoint {model_dir}"
-    first = next(iter(layer_shapes[0] if isinstance(layer_shapes, list) else layer_shapes))
+    first = next(iter(layer_shapes(config)))
     for i in range(config.num_hidden_layers):  # before listing 10**9 layers' tensors, say
         if f"model.layers.{i}.{first}" not in tensors:
             raise UserError(f"{where} lacks the tensor 'model.layers.{i}.{first}'")
     floats = (mx.bfloat16, mx.float16, mx.float32)
     untied = config._replace(tie_word_embeddings=False)  # a tied checkpoint's head may be used
-    shapes = tensor_shapes(untied if "lm_head.weight" in tensors else config, layer_shapes)
+    shapes = tensor_shapes(untied if "lm_head.weight" in tensors else config, layer_shapes,
+                           has_experts)
     for name in [name for name in shapes if ".experts.0." in name]:
         stacked = name.replace(".experts.0.", ".switch_mlp.")  # mlx_lm.convert stacks them
         if stacked in tensors:
@@ -337,14 +345,14 @@ def check_draft(args, model_dir, config, read_config, layer_shapes, read_tokeniz
     if draft.vocab_size != config.vocab_size:  # q and p would not line up
         raise UserError(f"{name} has {draft.vocab_size} vocabulary entries, the model "
                         f"{config.vocab_size}: a draft needs the model's vocabulary")
-    draft = check_weights(folder, draft, stored, layer_shapes(draft))
+    draft = check_weights(folder, draft, stored, layer_shapes)
     tokens = lambda where: (Path(where) / "tokenizer.json").read_bytes()
     with reading(Path(folder) / "tokenizer.json"):  # the same file, or the same ids for the tokens
         if tokens(folder) != tokens(model_dir) and (read_tokenizer(folder).get_vocab(True)
                                                     != read_tokenizer(model_dir).get_vocab(True)):
             raise UserError(f"{name} has another tokenizer (its tokenizer.json maps ids to other "
                             "tokens): a draft needs the model's tokenizer")
-    size = lambda c: sum(math.prod(shape) for shape in tensor_shapes(c, layer_shapes(c)).values())
+    size = lambda c: sum(math.prod(shape) for shape in tensor_shapes(c, layer_shapes).values())
     if size(draft) > size(config):
         print(f"warning: {name} has more weights than the model: drafting with it slows decoding "
               "down", file=sys.stderr)
@@ -408,10 +416,10 @@ def check_memory(needed, available, dtype, working_set=None, margin=0, what=""):
                     f"{has}; {fix}")
 
 
-def check_fit(config, layer_shapes, dtype, bits, stored, quantizable):
-    """check_memory for the weights of config (this process's share) and its layer_shapes, with
-    room for a KV cache of 4,096 positions (as the README's table counts it)."""
-    shapes, c = tensor_shapes(config, layer_shapes), config
+def check_fit(config, layer_shapes, dtype, bits, stored, quantizable, has_experts=None):
+    """check_memory for the weights of config (this process's share), with room for a KV cache
+    of 4,096 positions (as the README's table counts it)."""
+    shapes, c = tensor_shapes(config, layer_shapes, has_experts), config
     needed = weight_bytes(shapes, dtype, quantizable, bits or stored.get("bits"),
                           stored.get("group_size", GROUP_SIZE), stored)
     kv_cache = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype.size * 4096
@@ -869,7 +877,7 @@ class TracePrinter:
 
     def __init__(self, tokenizer, prompt_ids):
         self.tokenizer = tokenizer
-        some = lambda items: " ".join(items[:16]) + (f" … ({len(items)})" if len(items) > 16 else "")
+        some = lambda items: " ".join(items[:16]) + (f" … ({len(items)})" * (len(items) > 16))
         print(f"tokens: {len(prompt_ids)} ids {some([str(i) for i in prompt_ids])}\n"
               f"        {some([piece(tokenizer, i) for i in prompt_ids])}\nblock 0, step by step:")
 
@@ -884,8 +892,8 @@ class TracePrinter:
         return out
 
     def lens_intro(self, pick, tied):
-        print(f"after each block: the residual stream's size (RMS) and its logit lens: the likeliest "
-              f"next token if the model stopped there, and the rank there of "
+        print(f"after each block: the residual stream's size (RMS) and its logit lens: the "
+              f"likeliest next token if the model stopped there, and the rank there of "
               f"{piece(self.tokenizer, pick)}, the final pick." +
               (" Early blocks often show the last prompt token: the stream still holds its "
                "embedding, which the LM head, tied to the embeddings, reads back as that token."

@@ -514,7 +514,7 @@ def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), 
         size, start = min(layer_tokens, PREFILL_CHUNK, total - done - 1), time.perf_counter()
         forward(mx.array(prompt_ids[done : done + size]), weights, config, cache)  # recorded only
         # Run as many layers at a time as run in LAYER_SECONDS: all of them on a fast GPU, where
-        # each mx.eval() costs a wait. Only the cache is asked for, so the logits are never computed.
+        # each mx.eval() costs a wait. Only the cache is asked for: the logits are never computed.
         at_once = max(1, min(layer_tokens // size, n_layers))
         for first in range(0, n_layers, at_once):
             mx.eval([(c.keys, c.values) for c in cache[first : first + at_once]])
@@ -638,20 +638,18 @@ def use_quantization(bits=None, stored=None):
 # (transformers' order). The cut scales with the model's confidence: it is strict when one token
 # dominates. The presence penalty lowers the logit of every token already in the reply by the same
 # amount, however often it occurred (OpenAI's and vLLM's meaning). It works against the endless
-# loops a small model can fall into. It must remember the reply's tokens, so it is a sample() that
-# keeps state. Built from MLX arrays, that state works on tokens not yet computed.
+# loops a small model can fall into. It is a sample() that remembers the reply's tokens, in an MLX
+# array, so that it works on tokens not yet computed.
 
 def filter_min_p(logits, min_p):
-    """Set to -inf the tokens less than min_p times as likely as the likeliest, in logits already
-    divided by the temperature and filtered by top-k and top-p (filter_logits)."""
+    """Min-p, on logits that filter_logits() has divided and filtered: the rest become -inf."""
     probs = mx.softmax(logits)
     return mx.where(probs >= min_p * probs.max(), logits, -mx.inf)
 
 
 def use_extra_sampling(min_p, presence_penalty, vocab_size):
-    """Replaces sample() (section 10) with one that also applies min-p and the presence penalty.
-    It remembers the tokens it picked. It returns new_reply(), which forgets them: call it before
-    each reply."""
+    """Replaces sample() (section 10). Returns new_reply(), which forgets the tokens picked: call it
+    before each reply."""
     in_reply = mx.zeros(vocab_size)  # 1 for each token picked so far
 
     def sample_more(logits, sampling, key):
@@ -779,7 +777,7 @@ class Chat:
 # Every block reads and adds to the same residual stream, and only the final norm and the LM head
 # turn it into logits. Applied early, to the stream after block 5, say, they show what the model
 # would say if it stopped there. With the real weights, watch in which block " Paris" takes the
-# lead. After the last block, the lens is the model's own output. --trace shows it at every block.
+# lead. After the last block, the lens is the model's own output.
 
 def logit_lens(x, weights, config):
     """The next-token logits (vocab,) read off the stream x (seq, 1024) as forward() does."""
@@ -851,7 +849,7 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 # That is 0.75 GB of Qwen3-0.6B in bfloat16, against 1.19 GB whole (the embedding table is a large
 # part of a small model). Of Qwen3-32B, each of 2 processes holds 34.3 GB, and each of 4, 18.7 GB.
 # All sample with one seed from the same logits, so all pick the same token. Only process 0 reads
-# the prompt and prints, and it shares what it reads (cli.join).
+# the prompt and prints (cli.join).
 #
 # Each all_sum is a round trip over the link: 56 per token for Qwen3-0.6B's 28 blocks. Over TCP,
 # their latency made a split model decode many times slower than one process (docs/performance.md).
@@ -859,8 +857,7 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 # is pipeline parallelism: each machine holds whole layers, say 0-31 and 32-63, and a token crosses
 # the link once per machine boundary. But the machines take turns, each idle while the other
 # computes, unless several sequences are in flight: one conversation gains memory but no speed.
-# mlx-lm pipelines some large models (DeepSeek's) and splits Qwen3 by tensors, as here. main()
-# makes the split: split_config() for the shapes, use_tensor_parallelism() before loading.
+# mlx-lm pipelines some large models (DeepSeek's) and splits Qwen3 by tensors, as here.
 
 SPLIT_ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # out channels: heads, units
 SPLIT_COLUMNS = ("o_proj", "down_proj")  # in channels: the same heads and units
@@ -887,11 +884,9 @@ def can_split(config, n, group_size=None):
 
 
 def use_tensor_parallelism(group):
-    """From now on, load_tensor() keeps this process's share of each block's matrices,
-    attention() and swiglu() add up their partial outputs over the group (run them with
-    split_config's config), and tokens_per_layer() gives process 0's count (section 14)."""
-    # The load_tensor() in place now: Part 1's, or section 16's when quantizing (replaced first).
-    load_whole, n, rank = load_tensor, group.size(), group.rank()
+    """Replaces load_tensor (it keeps this process's share), attention and swiglu (they add up
+    their partial outputs), and tokens_per_layer (process 0's count, section 14)."""
+    load_whole, n, rank = load_tensor, group.size(), group.rank()  # section 16's, if quantizing
 
     def load_share(tensors, name, dtype):
         weight, kind = load_whole(tensors, name, dtype), name.split(".")[-2]
@@ -908,8 +903,7 @@ def use_tensor_parallelism(group):
 
     # summed(f) runs f, then adds up its partial outputs over the group.
     summed = lambda function: lambda *args: mx.distributed.all_sum(function(*args), group=group)
-    # Each process times its own prefill pieces (section 14), but all must cut a prompt alike.
-    pace = tokens_per_layer
+    pace = tokens_per_layer  # each process times its own pieces, but all must cut a prompt alike
     first = lambda *args: mx.distributed.all_sum(pace(*args) * (rank == 0), group=group).item()
     replace(load_tensor=load_share, attention=summed(attention), swiglu=summed(swiglu),
             tokens_per_layer=first)
@@ -917,15 +911,13 @@ def use_tensor_parallelism(group):
 
 # --- 21. Mixture of experts: each token through 8 of 128 feed-forwards (Qwen3-30B-A3B) -----------
 #
-# Qwen3-30B-A3B's blocks trade the SwiGLU (section 7) for 128 smaller ones, "experts" of 768 units,
-# and a router, a (128, 2048) matrix. softmax(x @ router.T) gives each expert a probability for each
-# token. A token goes through its 8 likeliest experts, and their outputs are added up, weighted by
-# those probabilities (rescaled to add up to 1 if norm_topk_prob). So a token reads the bytes of 3.3
-# B parameters, a small model's. But the next token may pick any expert, so all 30.5 B stay in
-# memory. To be fast in MLX, each projection's experts are stacked, (128, 768, 2048) for gate_proj,
-# and mx.gather_mm multiplies each token by the experts it picked, in one operation. In a long
-# prompt, tokens are sorted by expert, so each expert's matrix meets its tokens together. Blocks in
-# mlp_only_layers, or off every decoder_sparse_step-th, keep a dense SwiGLU.
+# Qwen3-30B-A3B (hidden_size 2048) trades a block's SwiGLU (section 7) for 128 smaller ones,
+# "experts" of 768 units, and a router: a (128, 2048) matrix, stored as mlp.gate. For each token,
+# softmax(x @ router.T) gives each expert a probability. The token goes through its 8 likeliest
+# experts, and their outputs are added up, weighted by those probabilities. So a token reads the
+# weights of about 3 B parameters, a small model's. But the next token may pick any expert, so all
+# 30.5 B stay in memory. To be fast in MLX, each projection's experts are stacked, (128, 768, 2048)
+# for gate_proj, and mx.gather_mm multiplies each token by the experts it picked, in one operation.
 
 MOE_FIELDS = {  # what config.json adds for a mixture of experts (Qwen3-30B-A3B's values)
     "num_experts": int,  # 128 experts in a block ...
@@ -947,21 +939,8 @@ def with_experts(config, model_dir):
 
 
 def has_experts(config, i):
+    """Whether block i has experts: not in mlp_only_layers, and every decoder_sparse_step-th."""
     return i not in config.mlp_only_layers and (i + 1) % config.decoder_sparse_step == 0
-
-
-def block_shapes(c):
-    """Each block's tensors, for cli.py's checks: layer_shapes(c), but a block with experts
-    stores a router and each expert's SwiGLU in place of its own."""
-    if not isinstance(c, MoEConfig):
-        return layer_shapes(c)
-    moe = c._replace(intermediate_size=c.moe_intermediate_size)  # an expert's SwiGLU
-    dense, one = layer_shapes(c), layer_shapes(moe)
-    experts = {name: shape for name, shape in dense.items() if not name.startswith("mlp.")}
-    experts["mlp.gate.weight"] = (c.num_experts, c.hidden_size)  # the router: (128, 2048)
-    experts |= {f"mlp.experts.{e}.{name[4:]}": shape for e in range(c.num_experts)  # (768, 2048)
-                for name, shape in one.items() if name.startswith("mlp.")}
-    return [experts if has_experts(c, i) else dense for i in range(c.num_hidden_layers)]
 
 
 def route(x, router, k, norm_topk_prob):
@@ -980,8 +959,9 @@ def mixture(x, layer, k, norm_topk_prob):
     """swiglu() with experts: x (seq, 2048) -> each token's experts' SwiGLUs, weighted, summed."""
     chosen, weights = route(x, layer["gate"], k, norm_topk_prob)  # (seq, 8)
     x = x[:, None, None, :]  # (seq, 1, 1, 2048): a row for each token, shared by its 8 experts
-    by_expert = chosen.size >= 64  # a prompt: its (token, expert) pairs sorted by expert, as
-    # mlx-lm does, which docs/performance.md measures
+    # From 64 (token, expert) pairs on, they are sorted by expert, as mlx-lm does, so that each
+    # expert's matrix meets its tokens together (docs/performance.md measures it).
+    by_expert = chosen.size >= 64
     if by_expert:
         order = mx.argsort(chosen.flatten())  # (seq x 8,)
         x, chosen = x[order // k, 0], chosen.flatten()[order]  # (seq x 8, 1, 2048), (seq x 8,)
@@ -993,7 +973,7 @@ def mixture(x, layer, k, norm_topk_prob):
         return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=chosen, sorted_indices=by_expert)
 
     gate, up = product(x, layer["gate_proj"]), product(x, layer["up_proj"])  # (seq, 8, 1, 768)
-    y = product(silu_gate(gate, up), layer["down_proj"])  # (seq, 8, 1, 2048)
+    y = product(silu_gate(gate, up), layer["down_proj"])  # (seq, 8, 1, 2048), sorted (seq x 8, ...)
     if by_expert:  # back in token order
         y = y[mx.argsort(order)].reshape(-1, k, 1, y.shape[-1])
     return (weights[:, None, :] @ y[:, :, 0])[:, 0]  # (seq, 1, 8) @ (seq, 8, 2048): weighted sum
@@ -1017,9 +997,9 @@ def use_experts(config, bits=None):
         stacked = f"{block}.switch_mlp.{kind}.weight"  # as mlx_lm.convert's folders hold them
         if kind != "gate" and stacked not in tensors:  # Hugging Face's: a tensor per expert
             tensors[stacked] = mx.stack([tensors.pop(f"{block}.experts.{e}.{kind}.weight")
-                                         for e in range(config.num_experts)])  # (128, 768, 2048)
-        # Read into the stack as load_one computes it: the peak holds one projection's experts
-        # of one block twice, not the model.
+                                         for e in range(config.num_experts)])
+        # gate_proj's stack is (128, 768, 2048). load_one computes it now, and the tensors it was
+        # stacked from are freed. At most one projection's experts of one block are held twice.
         return load_one(tensors, name if kind == "gate" else stacked, dtype)
 
     router = lambda c: shapes(c) | {"mlp.gate.weight": (config.num_experts, c.hidden_size)}
@@ -1137,11 +1117,11 @@ def main(argv=None):
     # Load (section 1), after checking what the loaders assume: a broken file is one line.
     stored = cli.check_config(model_dir, fields, args.quantize)  # a checkpoint stored quantized
     config = with_experts(load_config(model_dir), model_dir)  # a MoEConfig for experts (21)
-    config = cli.check_weights(model_dir, config, stored, block_shapes(config))  # may untie
+    config = cli.check_weights(model_dir, config, stored, layer_shapes, has_experts)  # may untie
     n = group.size()
     cli.check_split(model_dir, config, n, args.quantize, stored, can_split)
     shares = split_config(config, n)  # this process's 1/n of the heads and the feed-forward
-    cli.check_fit(shares, block_shapes(shares), dtype, args.quantize, stored, quantizable)
+    cli.check_fit(shares, layer_shapes, dtype, args.quantize, stored, quantizable, has_experts)
     with cli.reading(model_dir / "tokenizer.json"):
         tokenizer = load_tokenizer(model_dir)
     cli.check_tokenizer(tokenizer, config, model_dir)

@@ -598,10 +598,10 @@ def load_model(model_dir, dtype, bits=None, group=None):
     n = group.size() if group else 1
     stored = cli.check_config(model_dir, li.MODEL_TYPES, bits)
     config = li.with_experts(li.load_config(model_dir), model_dir)
-    config = cli.check_weights(model_dir, config, stored, li.block_shapes(config))
+    config = cli.check_weights(model_dir, config, stored, li.layer_shapes, li.has_experts)
     cli.check_split(model_dir, config, n, bits, stored, li.can_split)
     shares = li.split_config(config, n)
-    cli.check_fit(shares, li.block_shapes(shares), dtype, bits, stored, li.quantizable)
+    cli.check_fit(shares, li.layer_shapes, dtype, bits, stored, li.quantizable, li.has_experts)
     with cli.reading(Path(model_dir) / "tokenizer.json"):
         tokenizer = li.load_tokenizer(model_dir)
     cli.check_tokenizer(tokenizer, config, model_dir)
@@ -622,5 +622,5 @@ def weight_bytes(config, dtype, bits=None):
     import cli
     import llm_inference as li
 
-    shapes = cli.tensor_shapes(config, li.block_shapes(config))
+    shapes = cli.tensor_shapes(config, li.layer_shapes, li.has_experts)
     return cli.weight_bytes(shapes, dtype, li.quantizable, bits)

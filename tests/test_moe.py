@@ -254,8 +254,8 @@ def test_memory_check_counts_every_expert(tmp_path, monkeypatch):
     config = li.with_experts(li.load_config(tmp_path), tmp_path)
     monkeypatch.setattr(cli, "memory_size", lambda: 32e9)
     monkeypatch.setattr(cli, "gpu_working_set", lambda: None)
-    fit = lambda bits: cli.check_fit(config, li.block_shapes(config), mx.bfloat16, bits, {},
-                                     li.quantizable)
+    fit = lambda bits: cli.check_fit(config, li.layer_shapes, mx.bfloat16, bits, {},
+                                     li.quantizable, li.has_experts)
     with pytest.raises(cli.UserError, match=r"need 61\.1 GB as bfloat16 \(all 30\.5 B parameters: "
                                             r"a token uses 8 of a block's 128 experts"):
         fit(None)
