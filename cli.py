@@ -107,9 +107,8 @@ def name_of(dtype):
 # --- The model folder: everything llm_inference.py's loaders assume, each failure one line -------
 
 def check_config(model_dir, fields, bits=None):
-    """Check config.json: a Qwen3 with every field its model_type needs (fields: name -> type, or
-    for each model_type, llm_inference.MODEL_TYPES). Returns its "quantization" entry ({} for
-    weights stored as floats). bits: --quantize."""
+    """config.json: a Qwen3 with the fields (name -> type) of its model_type (MODEL_TYPES), or
+    fields alone. Returns its "quantization" entry ({}: weights stored as floats)."""
     path = Path(model_dir) / "config.json"
     raw = read_json(path)
     found, rope = raw.get("model_type"), raw.get("rope_parameters") or {}
@@ -375,9 +374,8 @@ def weight_bytes(shapes, dtype, quantizable, bits=None, group_size=GROUP_SIZE, s
 
 
 def memory_size():
-    """What the weights may take: a GPU's memory as MLX reports it (a Mac's unified memory, a CUDA
-    card's); on Linux, the RAM available now (MemAvailable), past which the kernel kills; else all
-    the RAM."""
+    """What the weights may take: a GPU's memory as MLX reports it (a Mac's, a CUDA card's); on
+    Linux, the RAM available now (MemAvailable), past which the kernel kills; else all the RAM."""
     info = mx.device_info() if mx.default_device() == mx.gpu else {}
     size = info.get("memory_size") or info.get("total_memory")  # Metal's key, CUDA's key
     if size:
@@ -661,8 +659,7 @@ def number(kind, rule):
 def model_name(text):
     """--model's type: an empty one (a variable never set?) would mean a 1.5 GB download."""
     if not text:
-        raise argparse.ArgumentTypeError(f"is empty; give a model folder, or a repo id such as "
-                                         f"{HF_REPO}")
+        raise argparse.ArgumentTypeError(f"is empty; give a folder, or a repo id such as {HF_REPO}")
     return text
 
 
@@ -697,15 +694,12 @@ def parse_args(argv):
     add("--hide-think", action="store_true",
         help="with --chat: show a progress line instead of the reasoning")
     add("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-        help="auto = bfloat16 on a GPU, float32 on the CPU. M1/M2 Macs have no bfloat16 "
-        "arithmetic: float16 can run faster there (docs/platforms.md), but Qwen3 can overflow "
-        "it. On CUDA and M5 Macs, MLX multiplies float32 with TF32 (less precise) unless "
-        "MLX_ENABLE_TF32=0 is set")
+        help="auto = bfloat16 on a GPU, float32 on the CPU. float16 may run faster on M1/M2 Macs "
+        "but Qwen3 can overflow it; float32 is TF32 on CUDA and M5 Macs (docs/platforms.md)")
     add("--quantize", type=int, choices=[4, 8], metavar="{4,8}",
         help="store the weights in 4 or 8 bits, as mlx_lm.convert does: less memory")
-    add("--draft-model", type=model_name, help="a smaller Qwen3 with the same tokenizer (a folder "
-        "or repo id) that proposes tokens for the model to check: the same text, sooner where "
-        "reading the weights limits decoding (speculative decoding, section 22)")
+    add("--draft-model", type=model_name, help="a smaller Qwen3 with the same tokenizer (folder or "
+        "repo id) that proposes tokens for the model to check (speculative decoding, section 22)")
     add("--num-draft-tokens", type=number(int, "count"), default=2, metavar="N",
         help="tokens the draft proposes per round (%(default)s, chosen in docs/performance.md)")
     lab = ap.add_argument_group("experiments (README, Experiments)").add_argument
@@ -1171,8 +1165,7 @@ def chat_loop(chat, text_stream, max_tokens, sampling, eos_ids, hide_think, new_
             print(f"{'Interrupted. ' if interrupted else ''}Turn {turn}: {chat.reused} tokens "
                   f"reused from the cache, {chat.prefilled} prefilled at {prefill:.1f} tok/s | "
                   f"Reply: {plural(n, 'token')}{thinking}{rate(printer.n_tokens - 1, decode_s)}"
-                  f"{drafted(rounds, printer.n_tokens)}",
-                  file=status(interrupted))
+                  f"{drafted(rounds, printer.n_tokens)}", file=status(interrupted))
         if interrupted and group and group.size() > 1:  # the others wait in step: the chat ends
             return 130
 
@@ -1196,10 +1189,9 @@ def share(text, group):
 
 
 def status(interrupted):
-    """stderr; after Ctrl-C under mlx.launch, which stops passing output on, the terminal (on a
-    line of its own: the reply's last newline went to stdout, never passed on)."""
+    """stderr, or after Ctrl-C under mlx.launch (it stops passing output on) the terminal."""
     if interrupted and AFTER_CTRL_C:
-        AFTER_CTRL_C.write("\n")
+        AFTER_CTRL_C.write("\n")  # the reply's last newline went to stdout, never passed on
         return AFTER_CTRL_C
     return sys.stderr
 
