@@ -447,9 +447,8 @@ def replace(**functions):
 
 # --- 12. Fused kernels: RMSNorm, RoPE and attention in one kernel each ----------------------------
 #
-# Written out as math (sections 4 to 6), each of these runs several MLX operations, each a pass
-# over memory. mx.fast has each as a single kernel: the same numbers, to rounding (the tests check
-# it), in one pass on a GPU. (MLX's CPU build still runs some as several operations.)
+# Written out as math (sections 4 to 6), each of these is several MLX operations, each a pass over
+# memory. mx.fast has each as one kernel, one pass on a GPU, with the same numbers to rounding.
 
 def fused_rms_norm(x, weight, eps):
     return mx.fast.rms_norm(x, weight, eps)
@@ -474,9 +473,8 @@ def use_fused_kernels():
 #
 # mx.compile traces a function once, then replays the recorded graph as one call, with element-wise
 # steps fused. silu_gate's sigmoid and two products become one kernel: one pass over the (seq,
-# 3072) activations instead of three. Matrix products and section 12's kernels are one kernel
-# each already, so silu_gate is all we compile. shapeless=True makes one trace serve every
-# sequence length. While tracing, arrays are placeholders: print(x) inside it fails.
+# 3072) activations instead of three. Everything else is one kernel per step already. shapeless=True
+# makes one trace serve every sequence length. Inside a traced function, print(x) fails.
 
 compiled_silu_gate = mx.compile(silu_gate, shapeless=True)
 
@@ -491,13 +489,12 @@ def compile_model():
 # A piece of 1024 tokens has attention scores of (heads, 1024, total), not (heads, total, total).
 # That bounds the memory of one pass, at some cost in speed (docs/performance.md).
 #
-# Pieces also keep a slow prefill responsive. Python acts on Ctrl-C only between its own steps,
-# never inside an mx.eval(). So where a prefill is slow (on a CPU, a layer over 1024 tokens can
-# take seconds), each piece's time sets the size of the next, and a piece runs a layer per
+# Pieces also keep a slow prefill responsive. Python acts on Ctrl-C only between mx.eval() calls.
+# So each piece's time sets the size of the next, and a slow piece (on a CPU, say) runs a layer per
 # mx.eval(). Ctrl-C then stops a prefill within a fraction of a second, and progress shows as often
 # (docs/performance.md#prefill-ctrl-c-and-progress).
 PREFILL_CHUNK = 1024  # tokens in a piece, at most
-LAYER_SECONDS = 0.2  # about how long a layer of a piece should take: what Ctrl-C may wait for
+LAYER_SECONDS = 0.2  # about how long a layer of a piece should take (a turn): what Ctrl-C waits
 layer_tokens = 8  # tokens a layer runs in LAYER_SECONDS, as the last piece measured; first a guess
 
 
@@ -508,8 +505,7 @@ def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), 
     global layer_tokens
     cache = make_cache(config) if cache is None else cache
     done, total, n_layers = 0, len(prompt_ids), len(cache)
-    # generate() runs the last piece through all the layers at once: it gets at most what one
-    # layer runs in LAYER_SECONDS.
+    # The last piece goes to generate(), all layers at once: at most what a layer runs in a turn.
     while total - done > min(max(layer_tokens // n_layers, 1), PREFILL_CHUNK):
         size, start = min(layer_tokens, PREFILL_CHUNK, total - done - 1), time.perf_counter()
         forward(mx.array(prompt_ids[done : done + size]), weights, config, cache)  # recorded only
@@ -518,7 +514,7 @@ def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), 
         at_once = max(1, min(layer_tokens // size, n_layers))
         for first in range(0, n_layers, at_once):
             mx.eval([(c.keys, c.values) for c in cache[first : first + at_once]])
-            if progress:  # the command line shows it for a long prompt
+            if progress:
                 progress(done + size * min(first + at_once, n_layers) // n_layers, total)
         done += size
         layer_tokens = tokens_per_layer(size, (time.perf_counter() - start) / n_layers)
@@ -526,8 +522,7 @@ def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), 
 
 
 def tokens_per_layer(size, seconds):
-    """The tokens a layer runs in LAYER_SECONDS, at the pace of a piece of `size` tokens whose
-    layers took `seconds` each. (Section 20 has every process take the same count.)"""
+    """The tokens a layer runs in LAYER_SECONDS, where `size` tokens took `seconds` a layer."""
     return max(1, round(size * LAYER_SECONDS / seconds))
 
 
@@ -553,17 +548,15 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
 # Decoding a token reads every weight matrix once. Fewer bits per weight always save memory. They
 # save time only where reading the weights limits decoding, as expected for large models on a Mac.
 # Qwen3-8B reads 15.1 GB of matrices per token in bfloat16 (of the embedding table, one row). At
-# 100 GB/s that takes 151 ms per token, and its 4.3 GB at 4 bits 43 ms. For a small model
-# on a big GPU, each operation's fixed cost sets the pace instead. On a CPU, MLX's quantized product
-# is no faster than its float32 one. The measurements are in docs/performance.md.
+# 100 GB/s that takes 151 ms per token, and its 4.3 GB at 4 bits 43 ms. For a small model on a big
+# GPU, each operation's fixed cost sets the pace instead. On a CPU, MLX's quantized product is no
+# faster than its float32 one (docs/performance.md).
 #
-# Group-wise affine quantization (MLX's and mlx-lm's) cuts each row of a matrix into groups of 64
-# consecutive weights. A group keeps 64 integers q from 0 to 2^bits - 1, plus one scale and one
-# bias in the weights' float type, chosen so that w ≈ scale * q + bias. The 2^bits levels are evenly
-# spaced over the group's range. With 16-bit scales and biases, a weight costs 4 + 2 x 16 / 64 =
-# 4.5 bits at 4 bits, instead of 16: 3.6x smaller (8.5 bits at 8 bits: 1.9x smaller). The price is
-# rounding. Most weights move by up to half a level, and every product moves with them
-# (docs/performance.md measures how much, on one layer).
+# Group-wise affine quantization (MLX's and mlx-lm's) cuts each row into groups of 64 weights. A
+# group keeps 64 integers q from 0 to 2^bits - 1, and one scale and one bias chosen so that
+# w ≈ scale * q + bias. With 16-bit scales and biases, a weight costs 4 + 2 x 16 / 64 = 4.5 bits
+# at 4 bits, instead of 16 (8.5 at 8 bits). The price is rounding. Each weight moves by up to half
+# a level (docs/performance.md measures what that does to one layer's output).
 
 GROUP_SIZE = 64  # weights sharing one scale and bias (mlx-lm's default)
 
@@ -635,11 +628,10 @@ def use_quantization(bits=None, stored=None):
 # --- 17. More sampling controls: min-p and a presence penalty -------------------------------------
 #
 # Min-p keeps the tokens at least min_p times as likely as the likeliest one, after top-k and top-p
-# (transformers' order). The cut scales with the model's confidence: it is strict when one token
-# dominates. The presence penalty lowers the logit of every token already in the reply by the same
-# amount, however often it occurred (OpenAI's and vLLM's meaning). It works against the endless
-# loops a small model can fall into. It is a sample() that remembers the reply's tokens, in an MLX
-# array, so that it works on tokens not yet computed.
+# (transformers' order). The cut is strict when one token dominates. The presence penalty lowers
+# the logit of every token already in the reply by the same amount (OpenAI's and vLLM's meaning).
+# It works against the loops a small model can fall into. It is a sample() that remembers the
+# reply's tokens in an MLX array, so that it works on tokens not yet computed.
 
 def filter_min_p(logits, min_p):
     """Min-p, on logits that filter_logits() has divided and filtered: the rest become -inf."""
@@ -673,7 +665,7 @@ def use_extra_sampling(min_p, presence_penalty, vocab_size):
 
 # --- 18. Chat: one KV cache for a whole conversation ----------------------------------------------
 #
-# Qwen3 was trained on conversations in a chat format, with markers that the tokenizer maps to one
+# Qwen3 was trained on conversations in a chat format, whose markers the tokenizer maps to one
 # special id each. At every turn, its chat template (in tokenizer_config.json) renders the whole
 # conversation again, and the model reads all of it:
 #
@@ -685,16 +677,14 @@ def use_extra_sampling(min_p, presence_penalty, vocab_size):
 #   <|im_start|>assistant\n                             (+ <think>\n\n</think>\n\n for no thinking)
 #
 # Most of that is already in the cache from the turn before. The cache keeps the longest prefix it
-# shares with the new rendering, by setting `offset` back: new keys and values overwrite the old.
-# Only a prefix can be kept, because a token's keys and values depend on its position (RoPE) and
-# on every token before it.
+# shares with the new rendering, by setting `offset` back. Only a prefix can be kept, because a
+# token's keys and values depend on its position (RoPE) and on every token before it.
 #
-# And something does differ, because the template rewrites history. Once a new user message
-# follows, a reply's <think>...</think> reasoning is dropped: Qwen3 was trained on conversations
-# without it. An empty think block goes too. So each turn rolls back
-# to the start of the last reply, then prefills its answer and the new message. (A reply cut off
-# while thinking has no </think>, and the template keeps it whole.) Earlier replies enter the
-# history as the ids the model generated: tokenizing their text again could split it otherwise.
+# And the template rewrites history. Once a new user message follows, a reply's <think>...</think>
+# block is dropped, empty or not. So each turn rolls back to the start of the last reply, then
+# prefills its answer and the new message. (A reply cut off while thinking has no </think>, and the
+# template keeps it whole.) Earlier replies enter the history as the ids the model generated:
+# tokenizing their text again could split it otherwise.
 
 def chat_prompt(user, system=None, think=True):
     """Qwen3's chat format for one message, written out by hand. It ends by opening the
@@ -712,7 +702,7 @@ class Chat:
     def __init__(self, weights, config, tokenizer, system=None, think=True):
         self.weights, self.config, self.tokenizer = weights, config, tokenizer
         self.system, self.think = system, think
-        self.turns = []  # (user message, reply ids) per turn. The program may drop or clear them.
+        self.turns = []  # (user message, reply ids) per turn: cli.py may drop or clear them
         self.cache = make_cache(config)
         self.cached_ids = []  # the ids whose keys and values are in the cache, in order
         self.reused = self.prefilled = 0  # the last turn's tokens taken from the cache, computed
@@ -741,9 +731,8 @@ class Chat:
         return answer
 
     def reply(self, message, max_tokens, sampling=Sampling(), eos_ids=(), progress=None):
-        """Yield (token id, logits) of the reply to `message`, with section 14's generate_long, as a
-        first message may be long. The reply joins the history even when the caller stops early
-        (then close() this generator), and even if it is empty."""
+        """Yield (token id, logits) of the reply, with section 14's generate_long. The reply joins
+        the history even if empty, or if the caller stops early (then close() this generator)."""
         ids = self.prompt_ids(message)
         # A fresh draw for each reply, and the whole conversation repeatable from the seed.
         sampling = sampling._replace(seed=(sampling.seed + self.replies) % 2**64)
@@ -787,8 +776,7 @@ def logit_lens(x, weights, config):
 def trace(prompt_ids, weights, config, tokenizer, final=None):
     """--trace: one forward pass over the prompt, narrated. Block 0 step by step, with the shape of
     what each step makes. Then, after each block, the size (RMS) of the residual stream and its
-    logit lens: the likeliest next token there, and the rank of the model's final pick. final: the
-    model's own logits for the prompt, if the caller has computed them."""
+    logit lens: the likeliest next token, and the rank of the final pick (final: the logits)."""
     c, ids, cache = config, mx.array(prompt_ids), make_cache(config)
     if final is None:
         final = forward(ids, weights, config, make_cache(config))
@@ -818,8 +806,8 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 
 # --- 20. Several machines: one model split across processes (tensor parallelism) ------------------
 #
-# Qwen3-32B takes 65.5 GB in bfloat16, more than most Macs have. Split over two Macs, each holds
-# about half. `mlx.launch` starts one copy of this script per process (the README shows how), and
+# Qwen3-32B takes 65.5 GB in bfloat16, more than most Macs have. Split over two, each holds about
+# half. `mlx.launch` starts one copy of this script per process (the README shows how), and
 # mx.distributed.init() connects them: over TCP by default (MLX's `ring` backend), with RDMA over
 # Thunderbolt 5 (`jaccl`), or with NCCL between CUDA GPUs. The processes form a *group* of n, and
 # each knows its *rank*, from 0 to n-1. all_sum(x) is the one exchange: every process hands in an
@@ -1012,22 +1000,22 @@ def use_experts(config, bits=None):
 #
 # Where reading the weights limits decoding (section 16), a pass over a few positions costs about
 # what a pass over one does. Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) uses
-# that: a draft model with the same tokenizer (Qwen3-0.6B for Qwen3-8B) proposes k tokens, and the
+# that. A draft model with the same tokenizer (Qwen3-0.6B for Qwen3-8B) proposes k tokens, and the
 # target checks them in one pass. A round, for k = 4 (numbered so in the code):
 #   1. draft      the draft draws d1 ... d4 after the last token t: q, its distributions (4, vocab)
 #   2. verify     the target's forward([t, d1, ..., d4], last_only=False): p, its own    (5, vocab)
-#   3. accept     each d in turn with probability min(1, p(d) / q(d)), up to the first rejection;
-#                 then one token of the target's there, from max(0, p − q) normalised (after d4: p)
+#   3. accept     each d in turn with probability min(1, p(d) / q(d)), up to the first rejection.
+#                 There the target draws from max(0, p − q), normalised (after d4: from p).
 #   4. roll back  both caches forget the rejected positions: `offset` moves back, nothing is copied
 # Token x then comes out as likely as in the target's own draw: min(p(x), q(x)) as a proposal, the
-# rest of p(x) from the residual. p and q are what sample() draws from, after every filter. Greedy,
-# each is all on its argmax, and the text is the target's greedy text (to rounding: one pass over 5
-# positions may round otherwise than 5 over 1). mlx-lm keeps a proposal when the target's own draw
-# agrees: exact too, but that happens with probability Σ p·q, not Σ min(p, q). Where it pays:
-# docs/performance.md.
+# rest of p(x) from the residual. Greedy, p and q are all on their argmax, and the text is the
+# target's greedy text (to rounding: a pass over 5 positions may round otherwise than 5 over 1).
+# mlx-lm keeps a proposal when the target's own draw agrees. That is exact too, but it happens
+# with probability Σ p·q, not Σ min(p, q) (docs/performance.md).
 
 def distribution(logits, sampling, min_p=0.0):
-    """What sample() draws from, as probabilities (vocab,); greedy, all on the argmax."""
+    """What sample() draws from (vocab,), after temperature, top-k, top-p and min-p. Greedy, all
+    on the argmax. (A draft refuses the presence penalty, which changes p as it goes: cli.py.)"""
     if sampling.temperature == 0:
         return (mx.arange(logits.shape[-1]) == mx.argmax(logits)).astype(mx.float32)
     return mx.softmax(filter_min_p(filter_logits(logits, sampling), min_p))  # min-p: section 17
@@ -1035,7 +1023,7 @@ def distribution(logits, sampling, min_p=0.0):
 
 def verify(p, q, proposals, test_key, draw_key):
     """Step 3 for p (k + 1, vocab), q (k, vocab) and the k proposals: which pass (k,), and at each
-    position the target's token (k + 1,), drawn from max(0, p − q). Leading axes: rounds at once."""
+    position the target's token (k + 1,). Leading axes, if any, are rounds (tests run many)."""
     at = lambda probs: mx.take_along_axis(probs, proposals[..., None], axis=-1)[..., 0]
     passed = mx.random.uniform(shape=proposals.shape, key=test_key) * at(q) < at(p[..., :-1, :])
     residual = mx.maximum(p - mx.concatenate([q, mx.zeros_like(q[..., :1, :])], axis=-2), 0)
