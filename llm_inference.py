@@ -408,8 +408,7 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
     # and efficient matrix products. That fills the cache and gives the first new token.
     token, logits = step(mx.array(prompt_ids))
     mx.async_eval(token)
-    # Decode: feed each new token back in, as a one-token sequence.
-    for n in range(max_tokens):
+    for n in range(max_tokens):  # decode: feed each new token back in, as a one-token sequence
         if n + 1 < max_tokens:
             following = step(token[None])  # built on the token not yet computed
             mx.async_eval(following[0])
@@ -1096,14 +1095,13 @@ def main(argv=None):
         cli.join(group)  # process 0 reads the input for all, and prints
     args = cli.parse_args(argv)
     prompt = cli.read_prompt(args, group)  # None: a chat, its messages read as they come
-    fields = MODEL_TYPES  # config.json's fields: Config's, and MoEConfig's (section 21)
-    model_dir = cli.find_model(args.model, not args.no_download, fields)  # downloaded if need be
+    model_dir = cli.find_model(args.model, not args.no_download, MODEL_TYPES)  # or downloads it
     if args.chat:
         cli.check_chat_template(model_dir)
     dtype = cli.pick_dtype(args.dtype)
 
     # Load (section 1), after checking what the loaders assume: a broken file is one line.
-    stored = cli.check_config(model_dir, fields, args.quantize)  # a checkpoint stored quantized
+    stored = cli.check_config(model_dir, MODEL_TYPES, args.quantize)  # how it is stored quantized
     config = with_experts(load_config(model_dir), model_dir)  # a MoEConfig for experts (21)
     config = cli.check_weights(model_dir, config, stored, layer_shapes, has_experts)  # may untie
     n = group.size()
@@ -1121,19 +1119,19 @@ def main(argv=None):
     # Part 2's replacements, all of them: from here on, Part 1's calls run these.
     # Section 22 first: its draft loads through section 16's loader set to the draft's settings.
     rounds = draft and use_speculative(load_draft(*draft, dtype, args.quantize),
-                                       args.num_draft_tokens, min_p)  # make_cache, generate_long
+                                       args.num_draft_tokens, min_p)
     if args.quantize or stored:
-        use_quantization(args.quantize, stored)  # section 16: load_tensor, linear, embed
+        use_quantization(args.quantize, stored)  # section 16
     if isinstance(config, MoEConfig):  # before section 20, which splits what it loads and sums
-        use_experts(config, args.quantize)  # section 21: layer_shapes, load_tensor, swiglu
+        use_experts(config, args.quantize)  # section 21
     if n > 1:  # after section 16: each process keeps its share of what that load_tensor makes
-        use_tensor_parallelism(group)  # section 20: load_tensor, attention, swiglu, ...
+        use_tensor_parallelism(group)  # section 20
     if not args.reference_ops:
-        use_fused_kernels()  # section 12: rms_norm, apply_rope, attend
+        use_fused_kernels()  # section 12
         if not args.no_compile:
-            compile_model()  # section 13: silu_gate
+            compile_model()  # section 13
     new_reply = lambda: None
-    if min_p or presence_penalty:  # section 17: sample
+    if min_p or presence_penalty:  # section 17
         new_reply = use_extra_sampling(min_p, presence_penalty, config.vocab_size)
 
     with cli.reading(model_dir, "re-download the model"):  # a read error halfway through a file
