@@ -683,8 +683,8 @@ def use_extra_sampling(min_p, presence_penalty, vocab_size):
 # tokenized again, could split otherwise.
 
 def chat_prompt(user, system=None, think=True):
-    """One message in Qwen3's chat format, opening the assistant's turn.
-    system="" writes an empty system turn."""
+    """One message in Qwen3's chat format. It ends by opening the assistant's turn, so the
+    likeliest continuation is a reply. system="" writes an empty system turn, and None none."""
     text = f"<|im_start|>system\n{system}<|im_end|>\n" if system is not None else ""
     text += f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
     return text if think else text + "<think>\n\n</think>\n\n"
@@ -801,7 +801,8 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 # README). mx.distributed.init() connects them over TCP (the default `ring` backend), RDMA over
 # Thunderbolt 5 (`jaccl`), or NCCL between CUDA GPUs. The n processes form a *group*, each with a
 # *rank*, 0 to n-1. The one exchange is all_sum(x). Each hands in an array of one shape and
-# gets the sum. `mlx.launch -n 2 python sum.py` runs these lines (sum.py), and both print 3:
+# gets the sum. Save these lines as sum.py. `mlx.launch -n 2 python sum.py` starts two processes
+# here, and both print 3:
 #     import mlx.core as mx
 #     group = mx.distributed.init()
 #     print(f"process {group.rank()}: {mx.distributed.all_sum(mx.array(group.rank() + 1))}")
@@ -823,7 +824,8 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 #   gate_proj, up_proj (1536, 1024), down_proj (1024, 1536): units 0-1535 of 3072
 #   whole copies: embed_tokens (151936, 1024), also the LM head, and every norm
 # That is 0.75 GB of Qwen3-0.6B in bfloat16, not half of 1.19 GB: the embedding table is much of it.
-# All sample with one seed from equal logits, so only process 0 reads input and prints (cli.join).
+# All sample with one seed from equal logits, so all pick the same token. Only process 0 reads
+# the input and prints (cli.join).
 #
 # Each all_sum is a round trip over the link, 56 per token for Qwen3-0.6B's 28 blocks. Over TCP,
 # that made a split model decode many times slower (docs/performance.md). With RDMA's microseconds,
