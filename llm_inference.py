@@ -582,9 +582,8 @@ def quantize(weight, bits, dtype):
 
 
 def quantized_linear(x, weight):
-    """linear() that also takes Quantized weights. mx.quantized_matmul unpacks each group inside
-    the product, so the full-precision matrix never exists in memory. (It cannot call linear():
-    once replaced, that name is this function.)"""
+    """linear() for Quantized weights too. mx.quantized_matmul unpacks each group inside the
+    product, so the full matrix never exists. (Calling linear() here would call this function.)"""
     if not isinstance(weight, Quantized):
         return x @ weight.T
     return mx.quantized_matmul(x, weight.packed, weight.scales, weight.biases, transpose=True,
@@ -600,9 +599,9 @@ def quantized_embed(token_ids, table):
 
 
 def use_quantization(bits=None, stored=None):
-    """Replaces load_tensor, linear and embed. stored: the "quantization" entry of config.json in a
-    folder mlx_lm.convert wrote, {"group_size": 64, "bits": 4, "mode": "affine"}, plus entries for
-    layers quantized otherwise. It stores x.weight as x.weight (packed), x.scales and x.biases."""
+    """Replaces load_tensor, linear and embed. stored: config.json's "quantization" in a folder
+    mlx_lm.convert wrote ({"group_size": 64, "bits": 4, ...}, and entries for layers set otherwise).
+    Such a folder holds x.weight (packed), x.scales and x.biases."""
     stored = stored or {}
 
     def load_quantized(tensors, name, dtype):
@@ -770,6 +769,7 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
     c, ids, cache = config, mx.array(prompt_ids), make_cache(config)
     if final is None:
         final = forward(ids, weights, config, make_cache(config))
+    cli.check_logits(final)  # before a table of NaN probabilities
     pick = mx.argmax(final).item()
     show = cli.TracePrinter(tokenizer, prompt_ids)
     layer, eps = weights["layers"][0], c.rms_norm_eps
@@ -1102,8 +1102,7 @@ def main(argv=None):
     sampling, min_p, presence_penalty = cli.sampling_settings(args, generation_config, Sampling,
                                                               group)
 
-    # Part 2's replacements, all of them: from here on, Part 1's calls run these.
-    # Section 22 first: its draft loads through section 16's loader set to the draft's settings.
+    # Part 2's replacements, all of them. Section 22 first: its draft loads with its own settings.
     rounds = draft and use_speculative(load_draft(*draft, dtype, args.quantize),
                                        args.num_draft_tokens, min_p)
     if args.quantize or stored:
@@ -1141,9 +1140,7 @@ def main(argv=None):
     cli.print_header(args.model, model_dir, config, n, dtype, weights, how, max_tokens, prompt,
                      len(prompt_ids))
     if args.trace:  # section 19
-        final = forward(mx.array(prompt_ids), weights, config, make_cache(config))
-        cli.check_logits(final)  # before a table of NaN probabilities
-        trace(prompt_ids, weights, config, tokenizer, final)
+        trace(prompt_ids, weights, config, tokenizer)
         return 0
     new_reply()  # section 17: the reply has no tokens yet
     if args.no_cache:  # section 15
