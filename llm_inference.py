@@ -486,11 +486,10 @@ def compile_model():
 # --- 14. Long prompts: prefill in pieces ----------------------------------------------------------
 #
 # A piece of 1024 tokens has attention scores of (heads, 1024, total), not (heads, total, total).
-# That bounds the memory of one pass, at some cost in speed (docs/performance.md).
-#
-# Pieces also keep a slow prefill responsive. Python acts on Ctrl-C only between mx.eval() calls.
-# So each piece's time sets the size of the next, and a slow piece (on a CPU, say) runs a layer per
-# mx.eval(). Ctrl-C then stops a prefill within a fraction of a second, and progress shows as often
+# That bounds the memory of one pass, at some cost in speed (docs/performance.md). Pieces also keep
+# a slow prefill responsive. Python acts on Ctrl-C only between mx.eval() calls. So each piece's
+# time sets the size of the next, and a slow piece (on a CPU, say) runs a layer per mx.eval().
+# Ctrl-C then stops a prefill within a fraction of a second, and progress shows as often
 # (docs/performance.md#prefill-ctrl-c-and-progress).
 PREFILL_CHUNK = 1024  # tokens in a piece, at most
 LAYER_SECONDS = 0.2  # about how long a layer of a piece should take (a turn): what Ctrl-C waits
@@ -716,8 +715,7 @@ class Chat:
         end_think = self.tokenizer.token_to_id("</think>")
         if end_think not in reply:
             return reply
-        last = len(reply) - 1 - reply[::-1].index(end_think)
-        answer = reply[last + 1:]
+        answer = reply[len(reply) - reply[::-1].index(end_think):]  # after the last </think>
         while answer and detokenize(self.tokenizer, answer[:1]).strip("\n") == "":
             answer = answer[1:]
         return answer
@@ -871,9 +869,7 @@ def use_tensor_parallelism(group):
         parts = [mx.contiguous(mx.split(part, n, axis=axis)[rank])
                  for part in (weight[:3] if isinstance(weight, Quantized) else [weight])]
         mx.eval(parts)
-        if isinstance(weight, Quantized):
-            return Quantized(*parts, weight.group_size, weight.bits)
-        return parts[0]
+        return Quantized(*parts, *weight[3:]) if isinstance(weight, Quantized) else parts[0]
 
     summed = lambda function: lambda *args: mx.distributed.all_sum(function(*args), group=group)
     pace = tokens_per_layer  # each process times its own pieces, but all must cut a prompt alike
@@ -885,12 +881,12 @@ def use_tensor_parallelism(group):
 # --- 21. Mixture of experts: each token through 8 of 128 feed-forwards (Qwen3-30B-A3B) -----------
 #
 # Qwen3-30B-A3B (hidden_size 2048) trades a block's SwiGLU (section 7) for 128 smaller ones,
-# "experts" of 768 units, and a router: a (128, 2048) matrix, stored as mlp.gate. For each token,
+# "experts" of 768 units, and a router, a (128, 2048) matrix stored as mlp.gate. For each token,
 # softmax(x @ router.T) gives each expert a probability. The token goes through its 8 likeliest
-# experts, and their outputs are added up, weighted by those probabilities. So a token reads the
-# weights of about 3 B parameters, a small model's. But the next token may pick any expert, so all
-# 30.5 B stay in memory. To be fast in MLX, each projection's experts are stacked, (128, 768, 2048)
-# for gate_proj, and mx.gather_mm multiplies each token by the experts it picked, in one operation.
+# experts, whose outputs are added up, weighted by those probabilities. So a token reads about 3 B
+# parameters, a small model's. But the next token may pick any expert, so all 30.5 B stay in
+# memory. To be fast in MLX, each projection's experts are stacked, (128, 768, 2048) for gate_proj,
+# and mx.gather_mm multiplies each token by the experts it picked, in one operation.
 
 MOE_FIELDS = {  # what config.json adds for a mixture of experts (Qwen3-30B-A3B's values)
     "num_experts": int,  # 128 experts in a block ...
@@ -912,7 +908,6 @@ def with_experts(config, model_dir):
 
 
 def has_experts(config, i):
-    """Whether block i has experts: not in mlp_only_layers, and every decoder_sparse_step-th."""
     return i not in config.mlp_only_layers and (i + 1) % config.decoder_sparse_step == 0
 
 
@@ -954,8 +949,7 @@ def mixture(x, layer, k, norm_topk_prob):
 
 def use_experts(config, bits=None):
     """Replaces layer_shapes (a block gains the router, "gate": None in a dense block), load_tensor
-    (it stacks a block's experts as it reads them) and swiglu, for a MoEConfig. bits: --quantize;
-    the routers are quantized to 8 bits, as mlx_lm.convert does."""
+    (it stacks a block's experts) and swiglu. bits: --quantize, with routers at 8 as mlx-lm does."""
     shapes, load_one, dense = layer_shapes, load_tensor, swiglu
 
     def load_stacked(tensors, name, dtype):
@@ -971,8 +965,7 @@ def use_experts(config, bits=None):
         if kind != "gate" and stacked not in tensors:  # Hugging Face's: a tensor per expert
             tensors[stacked] = mx.stack([tensors.pop(f"{block}.experts.{e}.{kind}.weight")
                                          for e in range(config.num_experts)])
-        # gate_proj's stack is (128, 768, 2048). load_one computes it now, and the tensors it was
-        # stacked from are freed. At most one projection's experts of one block are held twice.
+        # gate_proj's stack: (128, 768, 2048). load_one computes it now, which frees its parts.
         return load_one(tensors, name if kind == "gate" else stacked, dtype)
 
     router = lambda c: shapes(c) | {"mlp.gate.weight": (config.num_experts, c.hidden_size)}
@@ -984,9 +977,9 @@ def use_experts(config, bits=None):
 # --- 22. Speculative decoding: a small model drafts, the large one checks (--draft-model) --------
 #
 # Where reading the weights limits decoding (section 16), a pass over a few positions costs about
-# what a pass over one does. Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) uses
-# that. A draft model with the same tokenizer (Qwen3-0.6B for Qwen3-8B) proposes k tokens, and the
-# target checks them in one pass. A round, for k = 4 (numbered so in the code):
+# what a pass over one does. So a small draft model with the same tokenizer (Qwen3-0.6B for
+# Qwen3-8B) proposes k tokens, and the target checks them in one pass (Leviathan et al. 2023; Chen
+# et al. 2023). A round, for k = 4 (numbered so in the code):
 #   1. draft      the draft draws d1 ... d4 after the last token t: q, its distributions (4, vocab)
 #   2. verify     the target's forward([t, d1, ..., d4], last_only=False): p, its own    (5, vocab)
 #   3. accept     each d in turn with probability min(1, p(d) / q(d)), up to the first rejection.
@@ -994,9 +987,9 @@ def use_experts(config, bits=None):
 #   4. roll back  both caches forget the rejected positions: `offset` moves back, nothing is copied
 # Token x then comes out as likely as in the target's own draw: min(p(x), q(x)) as a proposal, the
 # rest of p(x) from the residual. Greedy, p and q are all on their argmax, and the text is the
-# target's greedy text (to rounding: a pass over 5 positions may round otherwise than 5 over 1).
-# mlx-lm keeps a proposal when the target's own draw agrees. That is exact too, but it happens
-# with probability Σ p·q, not Σ min(p, q) (docs/performance.md).
+# target's (to rounding: a pass over 5 positions may round otherwise than 5 passes over 1). mlx-lm
+# keeps a proposal when the target's own draw agrees: exact too, but with probability Σ p·q, not
+# Σ min(p, q) (docs/performance.md).
 
 def distribution(logits, sampling, min_p=0.0):
     """What sample() draws from (vocab,), after temperature, top-k, top-p and min-p. Greedy, all
@@ -1024,8 +1017,8 @@ def load_draft(folder, config, stored, dtype, bits):
 
 
 def use_speculative(draft, k, min_p=0.0):
-    """Replaces make_cache (a cache holds the target's layers, then the draft's: the chat rolls back
-    both) and generate_long (14). Returns the last run's (accepted, proposed) per target pass."""
+    """Replaces make_cache (the target's layers, then the draft's, so that a chat rolls back both)
+    and generate_long (14). Returns the last run's (accepted, proposed) per target pass."""
     one_cache, prefill_long, rounds = make_cache, generate_long, []
 
     def generate_drafted(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
@@ -1034,8 +1027,8 @@ def use_speculative(draft, k, min_p=0.0):
         target, drafter = cache[: config.num_hidden_layers], cache[config.num_hidden_layers :]
         rounds.clear()
         next(prefill_long(prompt_ids, *draft, 1, cache=drafter))  # the draft's prefill
-        _, logits = next(prefill_long(prompt_ids, weights, config, 1, Sampling(), (), target,
-                                      progress))
+        _, logits = next(prefill_long(prompt_ids, weights, config, 1, cache=target,
+                                      progress=progress))
         key, pick = mx.random.split(mx.random.key(sampling.seed))  # as generate() starts
         new, unread, n_out = [(sample(logits, sampling, pick).item(), logits)], [], 0
         while True:
@@ -1076,7 +1069,7 @@ def use_speculative(draft, k, min_p=0.0):
 # ================================================================================================
 
 def main(argv=None):
-    group = mx.distributed.init()  # several processes when mlx.launch started this (section 20)
+    group = mx.distributed.init()  # several processes under mlx.launch (section 20)
     if group.size() > 1:
         cli.join(group)  # process 0 reads the input for all, and prints
     args = cli.parse_args(argv)
@@ -1098,9 +1091,8 @@ def main(argv=None):
         tokenizer = load_tokenizer(model_dir)
     cli.check_tokenizer(tokenizer, config, model_dir)
     draft = cli.check_draft(args, model_dir, config, load_config, layer_shapes, load_tokenizer)
-    generation_config = cli.load_generation_config(model_dir)
-    sampling, min_p, presence_penalty = cli.sampling_settings(args, generation_config, Sampling,
-                                                              group)
+    sampling, min_p, presence_penalty = cli.sampling_settings(
+        args, cli.load_generation_config(model_dir), Sampling, group)
 
     # Part 2's replacements, all of them. Section 22 first: its draft loads with its own settings.
     rounds = draft and use_speculative(load_draft(*draft, dtype, args.quantize),
@@ -1109,7 +1101,7 @@ def main(argv=None):
         use_quantization(args.quantize, stored)  # section 16
     if isinstance(config, MoEConfig):  # before section 20, which splits what it loads and sums
         use_experts(config, args.quantize)  # section 21
-    if n > 1:  # after section 16: each process keeps its share of what that load_tensor makes
+    if n > 1:  # after section 16: each process keeps its share of what it loads
         use_tensor_parallelism(group)  # section 20
     if not args.reference_ops:
         use_fused_kernels()  # section 12
@@ -1127,7 +1119,7 @@ def main(argv=None):
     max_tokens = cli.max_tokens(args, config.max_position_embeddings)
     how = None if args.trace else cli.describe(sampling, min_p, presence_penalty)  # trace: no draw
 
-    if prompt is None:  # --chat: a conversation, one KV cache for all of it (section 18)
+    if prompt is None:  # --chat (section 18)
         n_format = len(tokenize(tokenizer, chat_prompt("", args.system, not args.no_think)))
         cli.check_chat_room(n_format, max_tokens, config.max_position_embeddings, args.system)
         cli.print_header(args.model, model_dir, config, n, dtype, weights, how, max_tokens)
@@ -1145,7 +1137,7 @@ def main(argv=None):
     new_reply()  # section 17: the reply has no tokens yet
     if args.no_cache:  # section 15
         tokens = generate_without_cache(prompt_ids, weights, config, max_tokens, sampling, eos_ids)
-    else:  # section 14; a long prompt's prefill shows its progress
+    else:  # section 14, showing a long prefill's progress
         tokens = generate_long(prompt_ids, weights, config, max_tokens, sampling, eos_ids,
                                progress=cli.PREFILL.show)
     # --top-probs shows the probabilities the first token is drawn from (sections 10, 17) too
