@@ -492,7 +492,7 @@ def compile_model():
 # Ctrl-C then stops a prefill within a fraction of a second, and progress shows as often
 # (docs/performance.md#prefill-ctrl-c-and-progress).
 PREFILL_CHUNK = 1024  # tokens in a piece, at most
-LAYER_SECONDS = 0.2  # about how long a layer of a piece should take (a turn): what Ctrl-C waits
+LAYER_SECONDS = 0.2  # about how long a layer of a piece should take: what Ctrl-C may wait for
 layer_tokens = 8  # tokens a layer runs in LAYER_SECONDS, as the last piece measured; first a guess
 
 
@@ -503,7 +503,7 @@ def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), 
     global layer_tokens
     cache = make_cache(config) if cache is None else cache
     done, total, n_layers = 0, len(prompt_ids), len(cache)
-    # The last piece goes to generate(), all layers at once: at most what a layer runs in a turn.
+    # generate() runs the last piece through all layers at once: at most layer_tokens / n_layers.
     while total - done > min(max(layer_tokens // n_layers, 1), PREFILL_CHUNK):
         size, start = min(layer_tokens, PREFILL_CHUNK, total - done - 1), time.perf_counter()
         forward(mx.array(prompt_ids[done : done + size]), weights, config, cache)  # recorded only
@@ -865,7 +865,7 @@ def use_tensor_parallelism(group):
         axis = -2 if kind in SPLIT_ROWS else -1 if kind in SPLIT_COLUMNS else None  # stacks too
         if axis is None:
             return weight
-        # Contiguous copies: slices would keep the whole matrices alive (of Quantized, 3 arrays).
+        # Contiguous copies: slices would keep the whole matrices alive.
         parts = [mx.contiguous(mx.split(part, n, axis=axis)[rank])
                  for part in (weight[:3] if isinstance(weight, Quantized) else [weight])]
         mx.eval(parts)
@@ -912,9 +912,9 @@ def has_experts(config, i):
 
 
 def route(x, router, k, norm_topk_prob):
-    """x (seq, 2048) -> the k experts each token goes to (seq, 8), and their weights (seq, 8).
-    Softmax keeps the order of the scores, so the 8 likeliest experts are the 8 best-scored; and
-    their probabilities rescaled to add up to 1 are the softmax of their 8 scores alone."""
+    """x (seq, 2048) -> each token's k experts (seq, 8) and their weights (seq, 8). Softmax keeps
+    the scores' order, so the likeliest are the best-scored. Their probabilities rescaled to add up
+    to 1 are the softmax of their scores alone."""
     scores = linear(x, router)  # (seq, 128)
     chosen = mx.argpartition(scores, -k, axis=-1)[:, -k:]  # the 8 best, in no order
     if norm_topk_prob:  # precise: the softmax in float32
@@ -1001,7 +1001,7 @@ def distribution(logits, sampling, min_p=0.0):
 
 def verify(p, q, proposals, test_key, draw_key):
     """Step 3 for p (k + 1, vocab), q (k, vocab) and the k proposals: which pass (k,), and at each
-    position the target's token (k + 1,). Leading axes, if any, are rounds (tests run many)."""
+    position the target's token (k + 1,). Leading axes, if any, are rounds."""
     at = lambda probs: mx.take_along_axis(probs, proposals[..., None], axis=-1)[..., 0]
     passed = mx.random.uniform(shape=proposals.shape, key=test_key) * at(q) < at(p[..., :-1, :])
     residual = mx.maximum(p - mx.concatenate([q, mx.zeros_like(q[..., :1, :])], axis=-2), 0)
@@ -1085,7 +1085,7 @@ def main(argv=None):
     config = cli.check_weights(model_dir, config, stored, layer_shapes, has_experts)  # may untie
     n = group.size()
     cli.check_split(model_dir, config, n, args.quantize, stored, can_split)
-    shares = split_config(config, n)  # this process's 1/n of the heads and the feed-forward
+    shares = split_config(config, n)  # this process's share (section 20)
     cli.check_fit(shares, layer_shapes, dtype, args.quantize, stored, quantizable, has_experts)
     with cli.reading(model_dir / "tokenizer.json"):
         tokenizer = load_tokenizer(model_dir)
@@ -1099,7 +1099,7 @@ def main(argv=None):
                                        args.num_draft_tokens, min_p)
     if args.quantize or stored:
         use_quantization(args.quantize, stored)  # section 16
-    if isinstance(config, MoEConfig):  # before section 20, which splits what it loads and sums
+    if isinstance(config, MoEConfig):  # before section 20, which splits what this loads
         use_experts(config, args.quantize)  # section 21
     if n > 1:  # after section 16: each process keeps its share of what it loads
         use_tensor_parallelism(group)  # section 20
