@@ -446,8 +446,8 @@ def replace(**functions):
 
 # --- 12. Fused kernels: RMSNorm, RoPE and attention in one kernel each ----------------------------
 #
-# Written out as math (sections 4 to 6), each of these is several MLX operations, each a pass over
-# memory. mx.fast has each as one kernel, one pass on a GPU, with the same numbers to rounding.
+# Written out (sections 4 to 6), each of these is several MLX operations, each a pass over memory.
+# mx.fast has each as one kernel: one pass on a GPU, the same numbers to rounding.
 
 def fused_rms_norm(x, weight, eps):
     return mx.fast.rms_norm(x, weight, eps)
@@ -458,8 +458,8 @@ def fused_rope(x, offset, theta):
 
 
 def fused_attend(q, k, v):
-    """attend() in one kernel. It handles the head groups and the causal mask itself, aligned as
-    attend() aligns it: the last query sees the last key. A single new token sees every key."""
+    """attend() in one kernel, with the head groups and the causal mask. As in attend(), the last
+    query sees the last key, and a single new token sees every key."""
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(q.shape[-1]),
                                                 mask="causal" if q.shape[2] > 1 else None)
 
@@ -493,7 +493,7 @@ def compile_model():
 # (docs/performance.md#prefill-ctrl-c-and-progress).
 PREFILL_CHUNK = 1024  # tokens in a piece, at most
 LAYER_SECONDS = 0.2  # about how long a layer of a piece should take: what Ctrl-C may wait for
-layer_tokens = 8  # tokens a layer runs in LAYER_SECONDS, as the last piece measured; first a guess
+layer_tokens = 8  # tokens a layer runs in LAYER_SECONDS, as last measured (first, a guess)
 
 
 def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
@@ -529,11 +529,11 @@ def tokens_per_layer(size, seconds):
 def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sampling(),
                            eos_ids=()):
     """generate() without a KV cache: every step runs the whole sequence so far through the model.
-    The same tokens and logits, and work per token that grows with the sequence."""
+    The same tokens and logits, for work per token that grows with the sequence."""
     token_ids, key = list(prompt_ids), mx.random.key(sampling.seed)
     for _ in range(max_tokens):
         logits = forward(mx.array(token_ids), weights, config, make_cache(config))
-        key, pick_key = mx.random.split(key)  # the same keys, in the same order, as generate()
+        key, pick_key = mx.random.split(key)  # the keys generate() uses
         token_id = sample(logits, sampling, pick_key).item()
         yield token_id, logits
         if token_id in eos_ids:
@@ -550,11 +550,11 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
 # GPU, each operation's fixed cost sets the pace instead. On a CPU, MLX's quantized product is no
 # faster than its float32 one (docs/performance.md).
 #
-# Group-wise affine quantization (MLX's and mlx-lm's) cuts each row into groups of 64 weights. A
+# Group-wise affine quantization, as in mlx-lm, cuts each row into groups of 64 weights. A
 # group keeps 64 integers q from 0 to 2^bits - 1, and one scale and one bias chosen so that
 # w ≈ scale * q + bias. With 16-bit scales and biases, a weight costs 4 + 2 x 16 / 64 = 4.5 bits
 # at 4 bits, instead of 16 (8.5 at 8 bits). The price is rounding. Each weight moves by up to half
-# a level (docs/performance.md measures what that does to one layer's output).
+# a level (docs/performance.md measures the effect on one layer).
 
 GROUP_SIZE = 64  # weights sharing one scale and bias (mlx-lm's default)
 
@@ -574,8 +574,8 @@ def quantizable(shape, group_size=GROUP_SIZE):
 
 
 def quantize(weight, bits, dtype):
-    """A checkpoint matrix -> Quantized, as mlx_lm.convert does it: from the bfloat16 values as
-    stored, so the scales and biases are bfloat16 numbers, then held as `dtype`."""
+    """A checkpoint matrix -> Quantized, as mlx_lm.convert makes it: from the stored bfloat16
+    values, so the scales and biases are bfloat16 numbers, held as `dtype`."""
     q, scales, biases = mx.quantize(weight, group_size=GROUP_SIZE, bits=bits)  # affine mode
     return Quantized(q, scales.astype(dtype), biases.astype(dtype), GROUP_SIZE, bits)
 
@@ -599,8 +599,7 @@ def quantized_embed(token_ids, table):
 
 def use_quantization(bits=None, stored=None):
     """Replaces load_tensor, linear and embed. stored: config.json's "quantization" in a folder
-    mlx_lm.convert wrote ({"group_size": 64, "bits": 4, ...}, and entries for layers set otherwise).
-    Such a folder holds x.weight (packed), x.scales and x.biases."""
+    mlx_lm.convert wrote: {"group_size": 64, "bits": 4, ...}, and entries for some layers."""
     stored = stored or {}
 
     def load_quantized(tensors, name, dtype):
@@ -637,9 +636,8 @@ def filter_min_p(logits, min_p):
 
 
 def use_extra_sampling(min_p, presence_penalty, vocab_size):
-    """Replaces sample() (section 10). Returns new_reply(), which forgets the tokens picked: call it
-    before each reply."""
-    in_reply = mx.zeros(vocab_size)  # 1 for each token picked so far
+    """Replaces sample() (section 10). Call the new_reply() it returns before each reply."""
+    in_reply = mx.zeros(vocab_size)  # 1 for each token picked so far in the reply
 
     def sample_more(logits, sampling, key):
         nonlocal in_reply
@@ -689,19 +687,19 @@ def chat_prompt(user, system=None, think=True):
 
 
 class Chat:
-    """A conversation: its turns, and one KV cache for all of them."""
+    """A conversation: its turns, and one KV cache for all."""
 
     def __init__(self, weights, config, tokenizer, system=None, think=True):
         self.weights, self.config, self.tokenizer = weights, config, tokenizer
         self.system, self.think = system, think
-        self.turns = []  # (message, reply ids). cli.py may drop or clear them.
+        self.turns = []  # (message, reply ids), which cli.py may drop or clear
         self.cache = make_cache(config)
         self.cached_ids = []  # the cached ids, in order
-        self.reused = self.prefilled = 0  # the last turn's tokens from the cache, computed
+        self.reused = self.prefilled = 0  # the last turn's tokens: cached, computed
         self.replies = 0  # replies so far, across /resets
 
     def prompt_ids(self, message):
-        """The conversation so far and a new message, as the template renders them."""
+        """The conversation so far and a new message, as the template renders it."""
         tokens = lambda text: tokenize(self.tokenizer, text)
         system = self.system
         ids = tokens(f"<|im_start|>system\n{system}<|im_end|>\n") if system is not None else []
@@ -727,7 +725,7 @@ class Chat:
         # A new draw per reply, the conversation repeatable from the seed.
         sampling = sampling._replace(seed=(sampling.seed + self.replies) % 2**64)
         self.replies += 1
-        # How many leading ids are cached. The last is fed again for the first token.
+        # The leading ids cached. The last is fed again, for the reply's first token.
         self.reused = 0
         for cached, new in zip(self.cached_ids, ids[:-1]):
             if cached != new:
@@ -753,21 +751,21 @@ class Chat:
 # --- 19. The logit lens: what the model would say after each block (--trace, --top-probs) --------
 #
 # Only the final norm and LM head turn the residual stream into logits. Applied after any block,
-# they show what the model would say if it stopped there (after the last, what it says). With real
-# weights, watch in which block " Paris" takes the lead.
+# they show what the model would say if it stopped there. With real weights, watch in which block
+# " Paris" takes the lead.
 
 def logit_lens(x, weights, config):
-    """The next-token logits (vocab,) read off the stream x (seq, 1024) as forward() does."""
+    """The next-token logits (vocab,) read off the stream x (seq, 1024), as forward() ends."""
     return linear(rms_norm(x[-1:], weights["norm"], config.rms_norm_eps), weights["lm_head"])[0]
 
 
 def trace(prompt_ids, weights, config, tokenizer, final=None):
     """--trace: one forward pass, narrated. Block 0 step by step, with shapes. Then, after each
-    block, the stream's RMS, its logit lens's top token and the final pick's rank."""
+    block, the stream's RMS, the lens's top token and the final pick's rank."""
     c, ids, cache = config, mx.array(prompt_ids), make_cache(config)
     if final is None:
         final = forward(ids, weights, config, make_cache(config))
-    cli.check_logits(final)  # before a table of NaN probabilities
+    cli.check_logits(final)  # no NaN in the tables
     pick = mx.argmax(final).item()
     show = cli.TracePrinter(tokenizer, prompt_ids)
     layer, eps = weights["layers"][0], c.rms_norm_eps
@@ -794,13 +792,12 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 
 # --- 20. Several machines: one model split across processes (tensor parallelism) ------------------
 #
-# Qwen3-32B takes 65.5 GB in bfloat16, more than most Macs have. Split over 2 processes, each
-# holds 34.3 GB, and over 4, 18.7 GB. `mlx.launch` starts this script once per process (see the
-# README). mx.distributed.init() connects them over TCP (the default `ring` backend), RDMA over
-# Thunderbolt 5 (`jaccl`), or NCCL between CUDA GPUs. The n processes form a *group*, each with a
-# *rank*, 0 to n-1. The one exchange is all_sum(x). Each hands in an array of one shape and
-# gets the sum. Save these lines as sum.py. `mlx.launch -n 2 python sum.py` starts two processes
-# here, and both print 3:
+# Qwen3-32B takes 65.5 GB in bfloat16, more than most Macs have. Split over 2 processes, each holds
+# 34.3 GB, and over 4, 18.7 GB. `mlx.launch` starts this script once per process (README).
+# mx.distributed.init() connects them over TCP (the default `ring` backend), RDMA over Thunderbolt 5
+# (`jaccl`), or NCCL between CUDA GPUs. The n processes form a *group*, each with a *rank*, 0 to
+# n-1. The one exchange is all_sum(x): each hands in an array of one shape, and gets the sum. Saved
+# as sum.py, these lines run as `mlx.launch -n 2 python sum.py`, and both print 3:
 #     import mlx.core as mx
 #     group = mx.distributed.init()
 #     print(f"process {group.rank()}: {mx.distributed.all_sum(mx.array(group.rank() + 1))}")
@@ -808,8 +805,8 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 # y = x Wᵀ, W stored (out, in), splits two ways. By rows (outputs), each process computes its own
 # outputs, with no exchange. By columns (inputs), each multiplies its slice of x by its columns,
 # a partial sum of every output that one all_sum completes. Megatron-LM (y = x A, A = Wᵀ) calls
-# these column-parallel and row-parallel. A block pairs them, so each process's outputs of the
-# first are its slice of x for the second:
+# these column-parallel and row-parallel. A block pairs them: each process's outputs of the first
+# are its slice of x for the second.
 #
 #   x -> rms_norm -> q, k, v (its heads) -> attend -> o_proj (its columns) -> all_sum -> + x = h
 #   h -> rms_norm -> gate, up (its units) -> silu_gate -> down_proj (its columns) -> all_sum -> + h
@@ -822,8 +819,8 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 #   gate_proj, up_proj (1536, 1024), down_proj (1024, 1536): units 0-1535 of 3072
 #   whole copies: embed_tokens (151936, 1024), also the LM head, and every norm
 # That is 0.75 GB of Qwen3-0.6B in bfloat16, not half of 1.19 GB: the embedding table is much of it.
-# All sample with one seed from equal logits, so all pick the same token. Only process 0 reads
-# the input and prints (cli.join).
+# All sample with one seed from equal logits, so all pick the same token. Only process 0 reads the
+# input and prints (cli.join).
 #
 # Each all_sum is a round trip over the link, 56 per token for Qwen3-0.6B's 28 blocks. Over TCP,
 # that made a split model decode many times slower (docs/performance.md). With RDMA's microseconds,
@@ -845,8 +842,8 @@ def split_config(config, n):
 
 
 def can_split(config, n, group_size=None):
-    """Whether n divides the heads and feed-forward units and, quantized, leaves each process's
-    columns of o_proj and down_proj in whole groups (a group shares one scale)."""
+    """Whether n divides the heads and feed-forward units, and, quantized, leaves each process's
+    columns of o_proj and down_proj in whole groups (of one scale each)."""
     c = config  # query heads are a multiple of key/value heads, so they split too
     units = {c.intermediate_size, getattr(c, "moe_intermediate_size", c.intermediate_size)}
     if c.num_key_value_heads % n or any(u % n for u in units):
@@ -888,7 +885,7 @@ def use_tensor_parallelism(group):
 # memory. To be fast in MLX, each projection's experts are stacked, (128, 768, 2048) for gate_proj,
 # and mx.gather_mm multiplies each token by the experts it picked, in one operation.
 
-MOE_FIELDS = {  # what config.json adds for a mixture of experts (Qwen3-30B-A3B's values)
+MOE_FIELDS = {  # config.json's fields for experts (Qwen3-30B-A3B's values)
     "num_experts": int,  # 128 experts in a block ...
     "num_experts_per_tok": int,  # ... of which the router picks 8 for each token
     "moe_intermediate_size": int,  # 768 units in each
@@ -961,7 +958,7 @@ def use_experts(config, bits=None):
             router = quantize(tensors.pop(name), 8, dtype)
             mx.eval(router)
             return router
-        stacked = f"{block}.switch_mlp.{kind}.weight"  # as mlx_lm.convert's folders hold them
+        stacked = f"{block}.switch_mlp.{kind}.weight"  # as mlx_lm.convert stores them
         if kind != "gate" and stacked not in tensors:  # Hugging Face's: a tensor per expert
             tensors[stacked] = mx.stack([tensors.pop(f"{block}.experts.{e}.{kind}.weight")
                                          for e in range(config.num_experts)])
@@ -979,7 +976,7 @@ def use_experts(config, bits=None):
 # Where reading the weights limits decoding (section 16), a pass over a few positions costs about
 # what a pass over one does. So a small draft model with the same tokenizer (Qwen3-0.6B for
 # Qwen3-8B) proposes k tokens, and the target checks them in one pass (Leviathan et al. 2023; Chen
-# et al. 2023). A round, for k = 4 (numbered so in the code):
+# et al. 2023). A round, for k = 4:
 #   1. draft      the draft draws d1 ... d4 after the last token t: q, its distributions (4, vocab)
 #   2. verify     the target's forward([t, d1, ..., d4], last_only=False): p, its own    (5, vocab)
 #   3. accept     each d in turn with probability min(1, p(d) / q(d)), up to the first rejection.
@@ -987,13 +984,13 @@ def use_experts(config, bits=None):
 #   4. roll back  both caches forget the rejected positions: `offset` moves back, nothing is copied
 # Token x then comes out as likely as in the target's own draw: min(p(x), q(x)) as a proposal, the
 # rest of p(x) from the residual. Greedy, p and q are all on their argmax, and the text is the
-# target's (to rounding: a pass over 5 positions may round otherwise than 5 passes over 1). mlx-lm
-# keeps a proposal when the target's own draw agrees: exact too, but with probability Σ p·q, not
-# Σ min(p, q) (docs/performance.md).
+# target's (to rounding: 1 pass over 5 positions may round unlike 5 passes over 1). mlx-lm keeps a
+# proposal when the target's own draw agrees. That is exact too, but happens with probability
+# Σ p·q, not Σ min(p, q) (docs/performance.md).
 
 def distribution(logits, sampling, min_p=0.0):
-    """What sample() draws from (vocab,), after temperature, top-k, top-p and min-p. Greedy, all
-    on the argmax. (A draft refuses the presence penalty, which changes p as it goes: cli.py.)"""
+    """What sample() draws from (vocab,): all on the argmax when greedy. (cli.py refuses a draft
+    with a presence penalty, which would change p as the reply grows.)"""
     if sampling.temperature == 0:
         return (mx.arange(logits.shape[-1]) == mx.argmax(logits)).astype(mx.float32)
     return mx.softmax(filter_min_p(filter_logits(logits, sampling), min_p))  # min-p: section 17
@@ -1009,7 +1006,7 @@ def verify(p, q, proposals, test_key, draw_key):
 
 
 def load_draft(folder, config, stored, dtype, bits):
-    """The draft's (weights, config), quantized as --quantize asks, or as stored (section 16)."""
+    """The draft's (weights, config), quantized by --quantize, or as stored (section 16)."""
     if bits or stored:  # the draft's settings; main() sets the target's after
         use_quantization(bits, stored)
     with cli.reading(folder, "re-download the draft model"):
@@ -1023,7 +1020,7 @@ def use_speculative(draft, k, min_p=0.0):
 
     def generate_drafted(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
                          cache=None, progress=None):
-        cache = make_cache(config) if cache is None else cache  # both hold the same tokens
+        cache = make_cache(config) if cache is None else cache  # both models' layers
         target, drafter = cache[: config.num_hidden_layers], cache[config.num_hidden_layers :]
         rounds.clear()
         next(prefill_long(prompt_ids, *draft, 1, cache=drafter))  # the draft's prefill
@@ -1037,7 +1034,7 @@ def use_speculative(draft, k, min_p=0.0):
                 n_out += 1
                 if token in eos_ids or n_out == max_tokens:
                     return
-            x, proposals, q = mx.array(unread + [token]), [], []  # 1. draft: what it has not read
+            x, proposals, q = mx.array(unread + [token]), [], []  # 1. draft, from what it lacks
             for _ in range(k):
                 q.append(distribution(forward(x, *draft, drafter), sampling, min_p))
                 key, pick = mx.random.split(key)
@@ -1047,7 +1044,7 @@ def use_speculative(draft, k, min_p=0.0):
             start, proposals = target[0].offset, mx.concatenate(proposals)  # (k,)
             logits = forward(mx.concatenate([mx.array([token]), proposals]), weights, config,
                              target, last_only=False)  # 2. verify: (k + 1, vocab)
-            mx.async_eval(logits)  # the GPU runs the pass while the rest of the round is recorded
+            mx.async_eval(logits)  # run while the rest of the round is recorded
             p = mx.stack([distribution(row, sampling, min_p) for row in logits])
             key, test_key, draw_key = mx.random.split(key, 3)
             passed, extra = verify(p, mx.stack(q), proposals, test_key, draw_key)  # 3. accept
@@ -1073,13 +1070,13 @@ def main(argv=None):
     if group.size() > 1:
         cli.join(group)  # process 0 reads the input for all, and prints
     args = cli.parse_args(argv)
-    prompt = cli.read_prompt(args, group)  # None: a chat, its messages read as they come
+    prompt = cli.read_prompt(args, group)  # None: a chat's messages come later
     model_dir = cli.find_model(args.model, not args.no_download, MODEL_TYPES)  # or downloads it
     if args.chat:
         cli.check_chat_template(model_dir)
     dtype = cli.pick_dtype(args.dtype)
 
-    # Load (section 1), after checking what the loaders assume: a broken file is one line.
+    # Load (section 1), after checks that make a broken file one line.
     stored = cli.check_config(model_dir, MODEL_TYPES, args.quantize)  # how it is stored quantized
     config = with_experts(load_config(model_dir), model_dir)  # a MoEConfig for experts (21)
     config = cli.check_weights(model_dir, config, stored, layer_shapes, has_experts)  # may untie
@@ -1140,7 +1137,7 @@ def main(argv=None):
     else:  # section 14, showing a long prefill's progress
         tokens = generate_long(prompt_ids, weights, config, max_tokens, sampling, eos_ids,
                                progress=cli.PREFILL.show)
-    # --top-probs shows the probabilities the first token is drawn from (sections 10, 17) too
+    # --top-probs also shows what the first token is drawn from (sections 10, 17)
     drawn = lambda logits: filter_min_p(filter_logits(logits, sampling), min_p)
     return cli.complete(tokens, tokenizer, text_stream, args, len(prompt_ids),
                         drawn if sampling.temperature else None, rounds)
