@@ -694,8 +694,9 @@ def parse_args(argv):
     add("--hide-think", action="store_true",
         help="with --chat: show a progress line instead of the reasoning")
     add("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-        help="auto = bfloat16 on a GPU, float32 on the CPU. float16 may run faster on M1/M2 Macs "
-        "but Qwen3 can overflow it; float32 is TF32 on CUDA and M5 Macs (docs/platforms.md)")
+        help="auto = bfloat16 on a GPU, float32 on the CPU. float16 can run faster on M1/M2 "
+        "Macs (no bfloat16 arithmetic), but Qwen3 can overflow it. On CUDA and M5 Macs, float32 "
+        "products use TF32 unless MLX_ENABLE_TF32=0 (docs/platforms.md)")
     add("--quantize", type=int, choices=[4, 8], metavar="{4,8}",
         help="store the weights in 4 or 8 bits, as mlx_lm.convert does: less memory")
     add("--draft-model", type=model_name, help="a smaller Qwen3 with the same tokenizer (folder or "
@@ -875,9 +876,7 @@ class TracePrinter:
         print(f"tokens: {len(prompt_ids)} ids {some([str(i) for i in prompt_ids])}\n"
               f"        {some([piece(tokenizer, i) for i in prompt_ids])}\nblock 0, step by step:")
 
-    @staticmethod
-    def shape(a):
-        return f"{tuple(a.shape)} {str(a.dtype).split('.')[-1]}"
+    shape = staticmethod(lambda a: f"{tuple(a.shape)} {name_of(a.dtype)}")  # "(5, 1024) float32"
 
     def step(self, name, out, what):
         """One step of block 0: its name, the shapes of what it made (returned), what it does."""

@@ -475,9 +475,9 @@ def test_help_says_what_each_dtype_costs(tmp_path):
     rc, out, err = run_cli("--help", cwd=tmp_path)
     assert rc == 0 and err == ""
     dtype = " ".join(out.split("--dtype {auto,bfloat16,float16,float32}")[-1].split())
-    assert "M1/M2 Macs have no bfloat16 arithmetic: float16 can run faster there (docs/platforms.md)" in dtype
+    assert "float16 can run faster on M1/M2 Macs (no bfloat16 arithmetic)" in dtype
     assert "Qwen3 can overflow it" in dtype
-    assert "On CUDA and M5 Macs, MLX multiplies float32 with TF32 (less precise) unless MLX_ENABLE_TF32=0" in dtype
+    assert "On CUDA and M5 Macs, float32 products use TF32 unless MLX_ENABLE_TF32=0" in dtype
 
 
 def test_prompt_argument_not_utf8_fails_before_loading(tmp_path):
