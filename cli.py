@@ -1,10 +1,9 @@
 """The program around llm_inference.py: everything `python llm_inference.py` does besides the model.
 
-You never need to read this file to learn inference: llm_inference.py is the walkthrough, and its
-main() shows how the two fit. Here are the folder checks (a broken file is one line, not a
-traceback), the download, the flags, the printing, the chat loop, the plumbing of mlx.launch's
-processes and the top-level error handler. It imports nothing from llm_inference.py.
-"""
+No need to read it to learn inference: llm_inference.py is the walkthrough, and its main() shows
+how the two fit. Here are the folder checks (a broken file is one line, not a traceback), the
+download, the flags, the printing, the chat loop, the plumbing of mlx.launch's processes and the
+top-level error handler. It imports nothing from llm_inference.py."""
 
 import argparse
 import contextlib
@@ -331,14 +330,16 @@ def check_split(model_dir, config, n, bits, stored, can_split):
                           f"quantization groups): use {', '.join(counts)}")
 
 
-def check_draft(args, model_dir, config, read_config, layer_shapes, read_tokenizer):
+def check_draft(args, model_dir, config, read_config, layer_shapes, read_tokenizer,
+                has_experts=None):
     """--draft-model's folder, checked as --model's, able to serve the model (section 22); returns
     (folder, its config, its "quantization") or None. read_...: llm_inference's load_config, ..."""
     if not args.draft_model:
         return None
     if mx.distributed.init().size() > 1:  # each process would need its share of the draft too
         raise SharedError("--draft-model runs in one process only: drop it under mlx.launch")
-    fields, name = type(config).__annotations__, f"--draft-model {args.draft_model}"
+    # A draft is a dense Qwen3, also for a mixture of experts: read_config's fields, not config's.
+    fields, name = type(read_config(model_dir)).__annotations__, f"--draft-model {args.draft_model}"
     folder = find_model(args.draft_model, not args.no_download, fields)
     stored, draft = check_config(folder, fields), read_config(folder)  # stored quantized: as is
     if draft.vocab_size != config.vocab_size:  # q and p would not line up
@@ -351,7 +352,7 @@ def check_draft(args, model_dir, config, read_config, layer_shapes, read_tokeniz
                                                     != read_tokenizer(model_dir).get_vocab(True)):
             raise UserError(f"{name} has another tokenizer (its tokenizer.json maps ids to other "
                             "tokens): a draft needs the model's tokenizer")
-    size = lambda c: sum(math.prod(shape) for shape in tensor_shapes(c, layer_shapes).values())
+    size = lambda c: sum(map(math.prod, tensor_shapes(c, layer_shapes, has_experts).values()))
     if size(draft) > size(config):
         print(f"warning: {name} has more weights than the model: drafting with it slows decoding "
               "down", file=sys.stderr)

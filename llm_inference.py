@@ -376,8 +376,9 @@ def load_eos_ids(model_dir, tokenizer):
     """The ids that end a reply: those generation_config.json lists, and always <|im_end|> (151645),
     which closes a chat turn, and <|endoftext|> (151643), which ends a document."""
     path = Path(model_dir) / "generation_config.json"
-    ids = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id") if path.exists() else []
-    ids = set(ids if isinstance(ids, list) else [ids])
+    config = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    listed = config.get("eos_token_id")  # one id, a list of them, or null (None)
+    ids = set(mx.atleast_1d(mx.array(listed)).tolist()) if listed is not None else set()
     return (ids | {tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")}) - {None}
 
 
@@ -437,7 +438,7 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 
 def replace(**functions):
     """From now on, calls by these names (Part 1's functions) run the functions given. A misspelt
-    name would replace nothing, so it is refused. Restarting Python undoes it all."""
+    name would replace nothing, so it is refused."""
     unknown = set(functions) - set(globals())
     if unknown:
         raise NameError(f"no function {', '.join(sorted(unknown))} to replace")
@@ -472,7 +473,7 @@ def use_fused_kernels():
 #
 # mx.compile traces a function once, then replays the recorded graph as one call, with element-wise
 # steps fused. silu_gate's sigmoid and two products become one kernel: one pass over the (seq,
-# 3072) activations instead of three. Everything else is one kernel per step already. shapeless=True
+# 3072) activations instead of three. The other steps are one kernel each already. shapeless=True
 # makes one trace serve every sequence length. Inside a traced function, print(x) fails.
 
 compiled_silu_gate = mx.compile(silu_gate, shapeless=True)
@@ -492,14 +493,14 @@ def compile_model():
 # Ctrl-C then stops a prefill within a fraction of a second, and progress shows as often
 # (docs/performance.md#prefill-ctrl-c-and-progress).
 PREFILL_CHUNK = 1024  # tokens in a piece, at most
-LAYER_SECONDS = 0.2  # about how long a layer of a piece should take: what Ctrl-C may wait for
+LAYER_SECONDS = 0.2  # how long a layer of a piece should take: what Ctrl-C may wait
 layer_tokens = 8  # tokens a layer runs in LAYER_SECONDS, as last measured (first, a guess)
 
 
 def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
                   cache=None, progress=None):
-    """generate() for a prompt of any length: all but its last piece first go through the model
-    piece by piece, filling the cache. progress(done, total), if given, after each mx.eval()."""
+    """generate() for a prompt of any length: all but its last piece first fill the cache, piece
+    by piece. progress(done, total), if given, runs after each mx.eval()."""
     global layer_tokens
     cache = make_cache(config) if cache is None else cache
     done, total, n_layers = 0, len(prompt_ids), len(cache)
@@ -565,7 +566,7 @@ class Quantized(NamedTuple):
     scales: mx.array  # (out, in / group_size): one per group, in --dtype
     biases: mx.array  # (out, in / group_size): each group's offset (not a layer's bias term)
     group_size: int
-    bits: int  # 4 or 8 with --quantize; a stored checkpoint may use 2 to 6, or 8
+    bits: int  # 4 or 8 with --quantize; stored, 2 to 6 or 8
 
 
 def quantizable(shape, group_size=GROUP_SIZE):
@@ -605,7 +606,7 @@ def use_quantization(bits=None, stored=None):
     def load_quantized(tensors, name, dtype):
         weight = tensors.pop(name)
         stem = name.removesuffix(".weight")
-        if f"{stem}.scales" in tensors:  # stored quantized, so used as it is
+        if f"{stem}.scales" in tensors:  # stored quantized: used as it is
             how = stored.get(stem)  # a layer's own settings (a dict), if any
             how = how if isinstance(how, dict) else stored
             weight = Quantized(weight, tensors.pop(f"{stem}.scales").astype(dtype),
@@ -765,7 +766,7 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
     c, ids, cache = config, mx.array(prompt_ids), make_cache(config)
     if final is None:
         final = forward(ids, weights, config, make_cache(config))
-    cli.check_logits(final)  # no NaN in the tables
+    cli.check_logits(final)
     pick = mx.argmax(final).item()
     show = cli.TracePrinter(tokenizer, prompt_ids)
     layer, eps = weights["layers"][0], c.rms_norm_eps
@@ -843,7 +844,7 @@ def split_config(config, n):
 
 def can_split(config, n, group_size=None):
     """Whether n divides the heads and feed-forward units, and, quantized, leaves each process's
-    columns of o_proj and down_proj in whole groups (of one scale each)."""
+    columns of o_proj and down_proj in whole groups."""
     c = config  # query heads are a multiple of key/value heads, so they split too
     units = {c.intermediate_size, getattr(c, "moe_intermediate_size", c.intermediate_size)}
     if c.num_key_value_heads % n or any(u % n for u in units):
@@ -869,7 +870,7 @@ def use_tensor_parallelism(group):
         return Quantized(*parts, *weight[3:]) if isinstance(weight, Quantized) else parts[0]
 
     summed = lambda function: lambda *args: mx.distributed.all_sum(function(*args), group=group)
-    pace = tokens_per_layer  # each process times its own pieces, but all must cut a prompt alike
+    pace = tokens_per_layer  # each process times its own pieces, but all cut a prompt alike
     first = lambda *args: mx.distributed.all_sum(pace(*args) * (rank == 0), group=group).item()
     replace(load_tensor=load_share, attention=summed(attention), swiglu=summed(swiglu),
             tokens_per_layer=first)
@@ -925,7 +926,7 @@ def mixture(x, layer, k, norm_topk_prob):
     chosen, weights = route(x, layer["gate"], k, norm_topk_prob)  # (seq, 8)
     x = x[:, None, None, :]  # (seq, 1, 1, 2048): a row for each token, shared by its 8 experts
     # From 64 (token, expert) pairs on, they are sorted by expert, as mlx-lm does, so that each
-    # expert's matrix meets its tokens together (docs/performance.md measures it).
+    # expert's matrix meets its tokens together (measured: docs/performance.md).
     by_expert = chosen.size >= 64
     if by_expert:
         order = mx.argsort(chosen.flatten())  # (seq x 8,)
@@ -945,8 +946,8 @@ def mixture(x, layer, k, norm_topk_prob):
 
 
 def use_experts(config, bits=None):
-    """Replaces layer_shapes (a block gains the router, "gate": None in a dense block), load_tensor
-    (it stacks a block's experts) and swiglu. bits: --quantize, with routers at 8 as mlx-lm does."""
+    """Replaces layer_shapes (a block gains the router), load_tensor (it stacks a block's experts)
+    and swiglu. bits: --quantize, with routers at 8 bits, as in mlx-lm."""
     shapes, load_one, dense = layer_shapes, load_tensor, swiglu
 
     def load_stacked(tensors, name, dtype):
@@ -966,7 +967,8 @@ def use_experts(config, bits=None):
         return load_one(tensors, name if kind == "gate" else stacked, dtype)
 
     router = lambda c: shapes(c) | {"mlp.gate.weight": (config.num_experts, c.hidden_size)}
-    either = lambda x, layer: dense(x, layer) if layer["gate"] is None else mixture(
+    # A dense block's "gate" is None, and a draft's blocks (section 22) have none.
+    either = lambda x, layer: dense(x, layer) if layer.get("gate") is None else mixture(
         x, layer, config.num_experts_per_tok, config.norm_topk_prob)
     replace(layer_shapes=router, load_tensor=load_stacked, swiglu=either)
 
@@ -983,14 +985,14 @@ def use_experts(config, bits=None):
 #                 There the target draws from max(0, p − q), normalised (after d4: from p).
 #   4. roll back  both caches forget the rejected positions: `offset` moves back, nothing is copied
 # Token x then comes out as likely as in the target's own draw: min(p(x), q(x)) as a proposal, the
-# rest of p(x) from the residual. Greedy, p and q are all on their argmax, and the text is the
+# rest from the residual. Greedy, p and q are all on their argmax, and the text is the
 # target's (to rounding: 1 pass over 5 positions may round unlike 5 passes over 1). mlx-lm keeps a
 # proposal when the target's own draw agrees. That is exact too, but happens with probability
 # Σ p·q, not Σ min(p, q) (docs/performance.md).
 
 def distribution(logits, sampling, min_p=0.0):
-    """What sample() draws from (vocab,): all on the argmax when greedy. (cli.py refuses a draft
-    with a presence penalty, which would change p as the reply grows.)"""
+    """What sample() draws from (vocab,): all on the argmax when greedy. (cli.py refuses the
+    presence penalty with a draft: it changes p as the reply grows.)"""
     if sampling.temperature == 0:
         return (mx.arange(logits.shape[-1]) == mx.argmax(logits)).astype(mx.float32)
     return mx.softmax(filter_min_p(filter_logits(logits, sampling), min_p))  # min-p: section 17
@@ -1007,7 +1009,7 @@ def verify(p, q, proposals, test_key, draw_key):
 
 def load_draft(folder, config, stored, dtype, bits):
     """The draft's (weights, config), quantized by --quantize, or as stored (section 16)."""
-    if bits or stored:  # the draft's settings; main() sets the target's after
+    if bits or stored:  # the draft's; main() sets the target's after
         use_quantization(bits, stored)
     with cli.reading(folder, "re-download the draft model"):
         return load_weights(folder, config, dtype), config
@@ -1026,7 +1028,7 @@ def use_speculative(draft, k, min_p=0.0):
         next(prefill_long(prompt_ids, *draft, 1, cache=drafter))  # the draft's prefill
         _, logits = next(prefill_long(prompt_ids, weights, config, 1, cache=target,
                                       progress=progress))
-        key, pick = mx.random.split(mx.random.key(sampling.seed))  # as generate() starts
+        key, pick = mx.random.split(mx.random.key(sampling.seed))  # as in generate()
         new, unread, n_out = [(sample(logits, sampling, pick).item(), logits)], [], 0
         while True:
             for token, logits in new:  # `token` stays the last one yielded
@@ -1039,7 +1041,7 @@ def use_speculative(draft, k, min_p=0.0):
                 q.append(distribution(forward(x, *draft, drafter), sampling, min_p))
                 key, pick = mx.random.split(key)
                 x = mx.random.categorical(mx.log(q[-1]), key=pick)[None]  # (1,)
-                mx.async_eval(x)  # computed while the next step is recorded
+                mx.async_eval(x)  # computed while the next is recorded
                 proposals.append(x)
             start, proposals = target[0].offset, mx.concatenate(proposals)  # (k,)
             logits = forward(mx.concatenate([mx.array([token]), proposals]), weights, config,
@@ -1050,7 +1052,7 @@ def use_speculative(draft, k, min_p=0.0):
             passed, extra = verify(p, mx.stack(q), proposals, test_key, draw_key)  # 3. accept
             mx.eval(passed, extra)
             n, proposals = (passed.tolist() + [False]).index(False), proposals.tolist()
-            for layer_cache in cache:  # 4. roll back to t, d1 ... dn (the draft read up to dk-1)
+            for layer_cache in cache:  # 4. roll back to t, d1 ... dn (the draft read to dk-1)
                 layer_cache.offset = min(layer_cache.offset, start + 1 + n)
             unread = proposals[-1:] if n == k else []  # all passed: the draft never read dk
             rounds.append((n, k))
@@ -1078,7 +1080,7 @@ def main(argv=None):
 
     # Load (section 1), after checks that make a broken file one line.
     stored = cli.check_config(model_dir, MODEL_TYPES, args.quantize)  # how it is stored quantized
-    config = with_experts(load_config(model_dir), model_dir)  # a MoEConfig for experts (21)
+    config = with_experts(load_config(model_dir), model_dir)  # MoEConfig: section 21
     config = cli.check_weights(model_dir, config, stored, layer_shapes, has_experts)  # may untie
     n = group.size()
     cli.check_split(model_dir, config, n, args.quantize, stored, can_split)
@@ -1087,7 +1089,8 @@ def main(argv=None):
     with cli.reading(model_dir / "tokenizer.json"):
         tokenizer = load_tokenizer(model_dir)
     cli.check_tokenizer(tokenizer, config, model_dir)
-    draft = cli.check_draft(args, model_dir, config, load_config, layer_shapes, load_tokenizer)
+    draft = cli.check_draft(args, model_dir, config, load_config, layer_shapes, load_tokenizer,
+                            has_experts)
     sampling, min_p, presence_penalty = cli.sampling_settings(
         args, cli.load_generation_config(model_dir), Sampling, group)
 
@@ -1108,7 +1111,7 @@ def main(argv=None):
     if min_p or presence_penalty:  # section 17
         new_reply = use_extra_sampling(min_p, presence_penalty, config.vocab_size)
 
-    with cli.reading(model_dir, "re-download the model"):  # a read error halfway through a file
+    with cli.reading(model_dir, "re-download the model"):  # a file cut off midway
         weights = load_weights(model_dir, config, dtype)
     cli.wire_weights(weights)  # on a Mac, keep them resident
     config = shares  # from here on, this process's share

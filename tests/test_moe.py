@@ -138,6 +138,15 @@ def test_flags_give_the_same_text(tiny_moe, capsys):
     assert main_output(capsys, tiny_moe, "--trace").count(" done: residual stream ") == 3
 
 
+def test_a_dense_draft_serves_a_mixture(tiny_moe, tiny_model, capsys):
+    """--draft-model with a dense Qwen3 of the same tokenizer (section 22) on a mixture of experts:
+    the draft is checked as a dense model, its blocks run Part 1's SwiGLU, and the greedy text is
+    the mixture's own."""
+    plain = main_output(capsys, tiny_moe)
+    drafted = main_output(capsys, tiny_moe, "--draft-model", str(tiny_model))
+    assert drafted == plain and len(plain) > 10
+
+
 def test_chat_reuses_its_cache(moe):
     """The second turn's reply, its conversation prefilled in part (the first turn cached) or in
     full (in one pass, its tokens sorted by expert), is the same."""
