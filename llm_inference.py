@@ -262,7 +262,7 @@ def attend(q, k, v):
     # head 0), and no repeated copy of the keys and values is built.
     q = q.reshape(n_kv_heads, n_heads // n_kv_heads, seq, head_dim)  # (8, 2, seq, 128)
     k, v = k.reshape(n_kv_heads, 1, total, head_dim), v.reshape(n_kv_heads, 1, total, head_dim)
-    scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total); q is smaller than scores
+    scores = (q * scale) @ k.swapaxes(-1, -2)  # (8, 2, seq, total); scaling q: fewer numbers
     # Causal mask: query i sits at position total-seq+i and sees keys 0 ... total-seq+i.
     allowed = mx.arange(total)[None, :] <= (total - seq + mx.arange(seq))[:, None]
     scores = mx.where(allowed, scores, -mx.inf)  # (seq, total) mask, broadcast
@@ -373,11 +373,11 @@ def sample(logits, sampling, key):
 #         print(text(token_id), end="", flush=True)
 
 def load_eos_ids(model_dir, tokenizer):
-    """The ids that end a reply: those generation_config.json lists, and always <|im_end|> (151645),
-    which closes a chat turn, and <|endoftext|> (151643), which ends a document."""
+    """The ids that end a reply: generation_config.json's, and <|im_end|> (151645), which closes a
+    chat turn, and <|endoftext|> (151643), which ends a document, if the tokenizer has them."""
     path = Path(model_dir) / "generation_config.json"
     config = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    listed = config.get("eos_token_id")  # one id, a list of them, or null (None)
+    listed = config.get("eos_token_id")  # one id or a list: mx.atleast_1d makes both a list
     ids = set(mx.atleast_1d(mx.array(listed)).tolist()) if listed is not None else set()
     return (ids | {tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")}) - {None}
 
@@ -534,7 +534,7 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
     token_ids, key = list(prompt_ids), mx.random.key(sampling.seed)
     for _ in range(max_tokens):
         logits = forward(mx.array(token_ids), weights, config, make_cache(config))
-        key, pick_key = mx.random.split(key)  # the keys generate() uses
+        key, pick_key = mx.random.split(key)  # as in generate()
         token_id = sample(logits, sampling, pick_key).item()
         yield token_id, logits
         if token_id in eos_ids:
@@ -794,7 +794,7 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 # --- 20. Several machines: one model split across processes (tensor parallelism) ------------------
 #
 # Qwen3-32B takes 65.5 GB in bfloat16, more than most Macs have. Split over 2 processes, each holds
-# 34.3 GB, and over 4, 18.7 GB. `mlx.launch` starts this script once per process (README).
+# 34.3 GB, and over 4, 18.7 GB. `mlx.launch` starts this script once per process.
 # mx.distributed.init() connects them over TCP (the default `ring` backend), RDMA over Thunderbolt 5
 # (`jaccl`), or NCCL between CUDA GPUs. The n processes form a *group*, each with a *rank*, 0 to
 # n-1. The one exchange is all_sum(x): each hands in an array of one shape, and gets the sum. Saved
@@ -1111,7 +1111,7 @@ def main(argv=None):
     if min_p or presence_penalty:  # section 17
         new_reply = use_extra_sampling(min_p, presence_penalty, config.vocab_size)
 
-    with cli.reading(model_dir, "re-download the model"):  # a file cut off midway
+    with cli.reading(model_dir, "re-download the model"):  # a file cut short
         weights = load_weights(model_dir, config, dtype)
     cli.wire_weights(weights)  # on a Mac, keep them resident
     config = shares  # from here on, this process's share
