@@ -702,12 +702,11 @@ class Chat:
     def prompt_ids(self, message):
         """The conversation so far and a new message, as the template renders it."""
         tokens = lambda text: tokenize(self.tokenizer, text)
-        system = self.system
-        ids = tokens(f"<|im_start|>system\n{system}<|im_end|>\n") if system is not None else []
+        ids, system = [], self.system  # the system turn opens the first
         for user, reply in self.turns:
-            ids += tokens(chat_prompt(user))
-            ids += self.answer(reply) + tokens("<|im_end|>\n")
-        return ids + tokens(chat_prompt(message, think=self.think))
+            ids += tokens(chat_prompt(user, system)) + self.answer(reply) + tokens("<|im_end|>\n")
+            system = None
+        return ids + tokens(chat_prompt(message, system, self.think))
 
     def answer(self, reply):
         """A reply as the template keeps it: after the last </think>, less leading newlines."""
@@ -979,23 +978,24 @@ def use_experts(config, bits=None):
 # what a pass over one does. So a small draft model with the same tokenizer (Qwen3-0.6B for
 # Qwen3-8B) proposes k tokens, and the target checks them in one pass (Leviathan et al. 2023; Chen
 # et al. 2023). A round, for k = 4:
-#   1. draft      the draft draws d1 ... d4 after the last token t: q, its distributions (4, vocab)
-#   2. verify     the target's forward([t, d1, ..., d4], last_only=False): p, its own    (5, vocab)
+#   1. draft      the draft samples d1 ... d4 after the last token t, from q        (4, vocab)
+#   2. verify     the target's forward([t, d1, ..., d4], last_only=False) gives p    (5, vocab)
 #   3. accept     each d in turn with probability min(1, p(d) / q(d)), up to the first rejection.
 #                 There the target draws from max(0, p − q), normalised (after d4: from p).
 #   4. roll back  both caches forget the rejected positions: `offset` moves back, nothing is copied
 # Token x then comes out as likely as in the target's own draw: min(p(x), q(x)) as a proposal, the
-# rest from the residual. Greedy, p and q are all on their argmax, and the text is the
-# target's (to rounding: 1 pass over 5 positions may round unlike 5 passes over 1). mlx-lm keeps a
-# proposal when the target's own draw agrees. That is exact too, but happens with probability
-# Σ p·q, not Σ min(p, q) (docs/performance.md).
+# rest from the residual. Greedy, p and q are all on their argmax, so the text is the target's (to
+# rounding: a pass over 5 positions may round unlike 5 passes). mlx-lm keeps a proposal when the
+# target's own draw agrees: exact too, but with probability Σ p·q, not Σ min(p, q)
+# (docs/performance.md).
 
 def distribution(logits, sampling, min_p=0.0):
-    """What sample() draws from (vocab,): all on the argmax when greedy. (cli.py refuses the
-    presence penalty with a draft: it changes p as the reply grows.)"""
+    """What sample() draws from, for each row of logits (rows, vocab): all on the argmax when
+    greedy. (cli.py refuses the presence penalty with a draft: it changes p as the reply grows.)"""
     if sampling.temperature == 0:
-        return (mx.arange(logits.shape[-1]) == mx.argmax(logits)).astype(mx.float32)
-    return mx.softmax(filter_min_p(filter_logits(logits, sampling), min_p))  # min-p: section 17
+        return (mx.arange(logits.shape[-1]) == logits.argmax(-1, keepdims=True)).astype(mx.float32)
+    row = lambda logits: filter_min_p(filter_logits(logits, sampling), min_p)  # min-p: section 17
+    return mx.softmax(mx.vmap(row)(logits), axis=-1)  # all rows in one graph
 
 
 def verify(p, q, proposals, test_key, draw_key):
@@ -1009,7 +1009,7 @@ def verify(p, q, proposals, test_key, draw_key):
 
 def load_draft(folder, config, stored, dtype, bits):
     """The draft's (weights, config), quantized by --quantize, or as stored (section 16)."""
-    if bits or stored:  # the draft's; main() sets the target's after
+    if bits or stored:
         use_quantization(bits, stored)
     with cli.reading(folder, "re-download the draft model"):
         return load_weights(folder, config, dtype), config
@@ -1022,7 +1022,7 @@ def use_speculative(draft, k, min_p=0.0):
 
     def generate_drafted(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
                          cache=None, progress=None):
-        cache = make_cache(config) if cache is None else cache  # both models' layers
+        cache = make_cache(config) if cache is None else cache
         target, drafter = cache[: config.num_hidden_layers], cache[config.num_hidden_layers :]
         rounds.clear()
         next(prefill_long(prompt_ids, *draft, 1, cache=drafter))  # the draft's prefill
@@ -1036,20 +1036,20 @@ def use_speculative(draft, k, min_p=0.0):
                 n_out += 1
                 if token in eos_ids or n_out == max_tokens:
                     return
-            x, proposals, q = mx.array(unread + [token]), [], []  # 1. draft, from what it lacks
+            x, proposals, drafted = mx.array(unread + [token]), [], []  # 1. draft, what it lacks
             for _ in range(k):
-                q.append(distribution(forward(x, *draft, drafter), sampling, min_p))
+                drafted.append(forward(x, *draft, drafter))  # (vocab,)
                 key, pick = mx.random.split(key)
-                x = mx.random.categorical(mx.log(q[-1]), key=pick)[None]  # (1,)
+                x = sample(drafted[-1], sampling, pick)[None]  # (1,), from q
                 mx.async_eval(x)  # computed while the next is recorded
                 proposals.append(x)
             start, proposals = target[0].offset, mx.concatenate(proposals)  # (k,)
             logits = forward(mx.concatenate([mx.array([token]), proposals]), weights, config,
                              target, last_only=False)  # 2. verify: (k + 1, vocab)
-            mx.async_eval(logits)  # run while the rest of the round is recorded
-            p = mx.stack([distribution(row, sampling, min_p) for row in logits])
-            key, test_key, draw_key = mx.random.split(key, 3)
-            passed, extra = verify(p, mx.stack(q), proposals, test_key, draw_key)  # 3. accept
+            mx.async_eval(logits)  # runs while the rest is recorded
+            probs = distribution(mx.concatenate([logits, mx.stack(drafted)]), sampling, min_p)
+            key, test_key, draw_key = mx.random.split(key, 3)  # 3. accept
+            passed, extra = verify(probs[: k + 1], probs[k + 1 :], proposals, test_key, draw_key)
             mx.eval(passed, extra)
             n, proposals = (passed.tolist() + [False]).index(False), proposals.tolist()
             for layer_cache in cache:  # 4. roll back to t, d1 ... dn (the draft read to dk-1)

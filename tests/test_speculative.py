@@ -88,7 +88,7 @@ def test_sampled_each_token_is_distributed_as_the_targets_draw():
     sampling = li.Sampling(temperature=0.8, top_k=7, top_p=1.0)
     target = mx.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
     draft = mx.array([-1.0, 0.0, 1.0, 1.5, 0.5, 2.0, -0.5, -3.0])
-    p, q = li.distribution(target, sampling, 0.05), li.distribution(draft, sampling, 0.05)
+    p, q = li.distribution(mx.stack([target, draft]), sampling, 0.05)  # (2, 8): two rows
     n = 20000
     proposals = mx.random.categorical(mx.log(q), shape=(n, 1), key=mx.random.key(1))  # (n, 1)
     p_rounds = mx.broadcast_to(mx.stack([p, p]), (n, 2, 8))  # row 2: after the proposal
