@@ -978,7 +978,7 @@ def use_experts(config, bits=None):
 # what a pass over one does. So a small draft model with the same tokenizer (Qwen3-0.6B for
 # Qwen3-8B) proposes k tokens, and the target checks them in one pass (Leviathan et al. 2023; Chen
 # et al. 2023). A round, for k = 4:
-#   1. draft      the draft samples d1 ... d4 after the last token t, from q        (4, vocab)
+#   1. draft      the draft draws d1 ... d4 after the last token t, from q          (4, vocab)
 #   2. verify     the target's forward([t, d1, ..., d4], last_only=False) gives p    (5, vocab)
 #   3. accept     each d in turn with probability min(1, p(d) / q(d)), up to the first rejection.
 #                 There the target draws from max(0, p − q), normalised (after d4: from p).
@@ -986,16 +986,15 @@ def use_experts(config, bits=None):
 # Token x then comes out as likely as in the target's own draw: min(p(x), q(x)) as a proposal, the
 # rest from the residual. Greedy, p and q are all on their argmax, so the text is the target's (to
 # rounding: a pass over 5 positions may round unlike 5 passes). mlx-lm keeps a proposal when the
-# target's own draw agrees: exact too, but with probability Σ p·q, not Σ min(p, q)
-# (docs/performance.md).
+# target's own draw agrees: also exact, but it accepts Σ p·q, not Σ min(p, q) (docs/performance.md).
 
 def distribution(logits, sampling, min_p=0.0):
-    """What sample() draws from, for each row of logits (rows, vocab): all on the argmax when
-    greedy. (cli.py refuses the presence penalty with a draft: it changes p as the reply grows.)"""
+    """sample()'s distribution for each row of logits (rows, vocab): one-hot when greedy.
+    (cli.py refuses the presence penalty with a draft: it changes p as the reply grows.)"""
     if sampling.temperature == 0:
         return (mx.arange(logits.shape[-1]) == logits.argmax(-1, keepdims=True)).astype(mx.float32)
-    row = lambda logits: filter_min_p(filter_logits(logits, sampling), min_p)  # min-p: section 17
-    return mx.softmax(mx.vmap(row)(logits), axis=-1)  # all rows in one graph
+    row = lambda logits: filter_min_p(filter_logits(logits, sampling), min_p)
+    return mx.softmax(mx.vmap(row)(logits), axis=-1)
 
 
 def verify(p, q, proposals, test_key, draw_key):
@@ -1036,20 +1035,21 @@ def use_speculative(draft, k, min_p=0.0):
                 n_out += 1
                 if token in eos_ids or n_out == max_tokens:
                     return
-            x, proposals, drafted = mx.array(unread + [token]), [], []  # 1. draft, what it lacks
+            x, proposals, q = mx.array(unread + [token]), [], []  # 1. draft, from what it lacks
             for _ in range(k):
-                drafted.append(forward(x, *draft, drafter))  # (vocab,)
+                q.append(distribution(forward(x, *draft, drafter)[None], sampling, min_p))
                 key, pick = mx.random.split(key)
-                x = sample(drafted[-1], sampling, pick)[None]  # (1,), from q
+                x = (mx.random.categorical(mx.log(q[-1]), key=pick) if sampling.temperature
+                     else q[-1].argmax(-1))  # (1,): greedy, q is one-hot
                 mx.async_eval(x)  # computed while the next is recorded
                 proposals.append(x)
             start, proposals = target[0].offset, mx.concatenate(proposals)  # (k,)
             logits = forward(mx.concatenate([mx.array([token]), proposals]), weights, config,
                              target, last_only=False)  # 2. verify: (k + 1, vocab)
             mx.async_eval(logits)  # runs while the rest is recorded
-            probs = distribution(mx.concatenate([logits, mx.stack(drafted)]), sampling, min_p)
             key, test_key, draw_key = mx.random.split(key, 3)  # 3. accept
-            passed, extra = verify(probs[: k + 1], probs[k + 1 :], proposals, test_key, draw_key)
+            p = distribution(logits, sampling, min_p)  # (k + 1, vocab)
+            passed, extra = verify(p, mx.concatenate(q), proposals, test_key, draw_key)
             mx.eval(passed, extra)
             n, proposals = (passed.tolist() + [False]).index(False), proposals.tolist()
             for layer_cache in cache:  # 4. roll back to t, d1 ... dn (the draft read to dk-1)
