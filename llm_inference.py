@@ -993,7 +993,7 @@ def distribution(logits, sampling, min_p=0.0):
     (cli.py refuses the presence penalty with a draft: it changes p as the reply grows.)"""
     if sampling.temperature == 0:
         return (mx.arange(logits.shape[-1]) == logits.argmax(-1, keepdims=True)).astype(mx.float32)
-    row = lambda logits: filter_min_p(filter_logits(logits, sampling), min_p)
+    row = lambda logits: filter_min_p(filter_logits(logits, sampling), min_p)  # min-p: section 17
     return mx.softmax(mx.vmap(row)(logits), axis=-1)
 
 
@@ -1035,21 +1035,20 @@ def use_speculative(draft, k, min_p=0.0):
                 n_out += 1
                 if token in eos_ids or n_out == max_tokens:
                     return
-            x, proposals, q = mx.array(unread + [token]), [], []  # 1. draft, from what it lacks
+            x, proposals, drafted = mx.array(unread + [token]), [], []  # 1. draft, what it lacks
             for _ in range(k):
-                q.append(distribution(forward(x, *draft, drafter)[None], sampling, min_p))
+                drafted.append(forward(x, *draft, drafter))  # (vocab,)
                 key, pick = mx.random.split(key)
-                x = (mx.random.categorical(mx.log(q[-1]), key=pick) if sampling.temperature
-                     else q[-1].argmax(-1))  # (1,): greedy, q is one-hot
+                x = sample(drafted[-1], sampling, pick)[None]  # (1,), from q
                 mx.async_eval(x)  # computed while the next is recorded
                 proposals.append(x)
             start, proposals = target[0].offset, mx.concatenate(proposals)  # (k,)
             logits = forward(mx.concatenate([mx.array([token]), proposals]), weights, config,
                              target, last_only=False)  # 2. verify: (k + 1, vocab)
             mx.async_eval(logits)  # runs while the rest is recorded
-            key, test_key, draw_key = mx.random.split(key, 3)  # 3. accept
-            p = distribution(logits, sampling, min_p)  # (k + 1, vocab)
-            passed, extra = verify(p, mx.concatenate(q), proposals, test_key, draw_key)
+            probs = distribution(mx.concatenate([logits, mx.stack(drafted)]), sampling, min_p)
+            key, test_key, draw_key = mx.random.split(key, 3)  # 3. accept, p and q in one graph
+            passed, extra = verify(probs[: k + 1], probs[k + 1 :], proposals, test_key, draw_key)
             mx.eval(passed, extra)
             n, proposals = (passed.tolist() + [False]).index(False), proposals.tolist()
             for layer_cache in cache:  # 4. roll back to t, d1 ... dn (the draft read to dk-1)

@@ -1,8 +1,9 @@
 """Section 22, speculative decoding: a draft model proposes, the target checks.
 
 Greedy, the tokens are the target's own, whatever the draft; sampled, each token is distributed as the
-target's draw (a chi-square test of the acceptance rule on a tiny vocabulary); after rejections, both
-caches hold what a run that never saw the rejected tokens holds. The command line's flags are checked
+target's draw (a chi-square test of the acceptance rule on a tiny vocabulary), each proposal is checked
+against its own positions' p and q, and a draft that is the target passes every proposal; after
+rejections, both caches hold what a run that never saw the rejected tokens holds. The command line's flags are checked
 in tests/test_cli.py and tests/test_chat_cli.py.
 """
 
@@ -54,6 +55,42 @@ def test_greedy_the_tokens_are_the_targets_whatever_the_draft(models):
             accepted[name, k] = sum(n for n, _ in rounds) / sum(k for _, k in rounds)
     assert all(accepted["itself", k] == 1 for k in (1, 2, 4, 8))
     assert 0 < accepted["4-bit", 1] < 1 and accepted["another", 1] < 0.2, accepted
+
+
+def test_sampled_a_draft_that_is_the_target_passes_every_proposal(models):
+    """Drafted by the target itself, q equals p, so min(1, p(d) / q(d)) = 1 and every proposal
+    passes. A round that compared a proposal with another position's p or q, or drew it from
+    another distribution than q, would reject some."""
+    config, target, drafts = models
+    rounds = speculative(config, drafts["itself"], 4)
+    sampling = li.Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=3)
+    tokens = [t for t, _ in li.generate_long(PROMPT, target, config, 21, sampling)]
+    assert len(tokens) == 21 and len(rounds) == 4  # the first token, then 5 a round
+    assert all(n == k == 4 for n, k in rounds), rounds
+
+
+def test_sampled_each_proposal_is_checked_against_its_own_positions(models, monkeypatch):
+    """In each round, verify() gets for proposal i the target's p and the draft's q at i's
+    position: what fresh passes of each model over the tokens so far give (and p's last row, after
+    the last proposal)."""
+    config, target, drafts = models
+    rounds, verify, calls = speculative(config, drafts["another"], 3), li.verify, []
+
+    def spy(p, q, proposals, *keys):
+        calls.append((p, q, proposals))
+        return verify(p, q, proposals, *keys)
+    monkeypatch.setattr(li, "verify", spy)
+    sampling = li.Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=3)
+    tokens = [t for t, _ in li.generate_long(PROMPT, target, config, 12, sampling)]
+    start = len(PROMPT) + 1  # the first token comes from the prefill
+    for (p, q, proposals), (n, k) in zip(calls, rounds):
+        ids = mx.array(PROMPT + tokens[: start - len(PROMPT)] + proposals.tolist())
+        for weights, probs, rows in ((target, p, k + 1), (drafts["another"], q, k)):
+            logits = li.forward(ids, weights, config, PLAIN["make_cache"](config), last_only=False)
+            fresh = li.distribution(logits[start - 1 : start - 1 + rows], sampling)
+            assert mx.allclose(probs, fresh, atol=1e-5).item()
+        start += n + 1
+    assert len(calls) == len(rounds) > 2
 
 
 def test_after_rejections_both_caches_hold_what_a_plain_run_holds(models):
