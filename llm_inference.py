@@ -984,13 +984,13 @@ def use_experts(config, bits=None):
 #                 There the target draws from max(0, p − q), normalised (after d4: from p).
 #   4. roll back  both caches forget the rejected positions: `offset` moves back, nothing is copied
 # Token x then comes out as likely as in the target's own draw: min(p(x), q(x)) as a proposal, the
-# rest from the residual. Greedy, p and q are all on their argmax, so the text is the target's (to
-# rounding: a pass over 5 positions may round unlike 5 passes). mlx-lm keeps a proposal when the
-# target's own draw agrees: also exact, but it accepts Σ p·q, not Σ min(p, q) (docs/performance.md).
+# rest from the residual. Greedy, p and q are one-hot, so the text is the target's (to rounding: a
+# pass over 5 positions may round unlike 5 passes). mlx-lm keeps a proposal when the target's own
+# draw agrees: also exact, but it accepts Σ p·q, not Σ min(p, q) (docs/performance.md).
 
 def distribution(logits, sampling, min_p=0.0):
     """sample()'s distribution for each row of logits (rows, vocab): one-hot when greedy.
-    (cli.py refuses the presence penalty with a draft: it changes p as the reply grows.)"""
+    (cli.py refuses a presence penalty with a draft: distribution() omits it.)"""
     if sampling.temperature == 0:
         return (mx.arange(logits.shape[-1]) == logits.argmax(-1, keepdims=True)).astype(mx.float32)
     row = lambda logits: filter_min_p(filter_logits(logits, sampling), min_p)  # min-p: section 17
@@ -999,7 +999,7 @@ def distribution(logits, sampling, min_p=0.0):
 
 def verify(p, q, proposals, test_key, draw_key):
     """Step 3 for p (k + 1, vocab), q (k, vocab) and the k proposals: which pass (k,), and at each
-    position the target's token (k + 1,). Leading axes, if any, are rounds."""
+    position a draw from max(0, p − q) (k + 1,). Leading axes, if any, are rounds."""
     at = lambda probs: mx.take_along_axis(probs, proposals[..., None], axis=-1)[..., 0]
     passed = mx.random.uniform(shape=proposals.shape, key=test_key) * at(q) < at(p[..., :-1, :])
     residual = mx.maximum(p - mx.concatenate([q, mx.zeros_like(q[..., :1, :])], axis=-2), 0)
@@ -1016,7 +1016,7 @@ def load_draft(folder, config, stored, dtype, bits):
 
 def use_speculative(draft, k, min_p=0.0):
     """Replaces make_cache (the target's layers, then the draft's, so that a chat rolls back both)
-    and generate_long (14). Returns the last run's (accepted, proposed) per target pass."""
+    and generate_long (14). Returns the last run's (accepted, proposed) per round."""
     one_cache, prefill_long, rounds = make_cache, generate_long, []
 
     def generate_drafted(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
@@ -1047,11 +1047,11 @@ def use_speculative(draft, k, min_p=0.0):
                              target, last_only=False)  # 2. verify: (k + 1, vocab)
             mx.async_eval(logits)  # runs while the rest is recorded
             probs = distribution(mx.concatenate([logits, mx.stack(drafted)]), sampling, min_p)
-            key, test_key, draw_key = mx.random.split(key, 3)  # 3. accept, p and q in one graph
+            key, test_key, draw_key = mx.random.split(key, 3)  # 3. accept: probs is p, then q
             passed, extra = verify(probs[: k + 1], probs[k + 1 :], proposals, test_key, draw_key)
             mx.eval(passed, extra)
             n, proposals = (passed.tolist() + [False]).index(False), proposals.tolist()
-            for layer_cache in cache:  # 4. roll back to t, d1 ... dn (the draft read to dk-1)
+            for layer_cache in cache:  # 4. roll back to t, d1 ... dn (the draft read to d(k-1))
                 layer_cache.offset = min(layer_cache.offset, start + 1 + n)
             unread = proposals[-1:] if n == k else []  # all passed: the draft never read dk
             rounds.append((n, k))
