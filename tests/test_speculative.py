@@ -1,10 +1,10 @@
 """Section 22, speculative decoding: a draft model proposes, the target checks.
 
-Greedy, the tokens are the target's own, whatever the draft; sampled, each token is distributed as the
-target's draw (a chi-square test of the acceptance rule on a tiny vocabulary), each proposal is checked
-against its own positions' p and q, and a draft that is the target passes every proposal; after
-rejections, both caches hold what a run that never saw the rejected tokens holds. The command line's flags are checked
-in tests/test_cli.py and tests/test_chat_cli.py.
+Greedy, the tokens are the target's own, whatever the draft. Sampled, each token is distributed as
+the target's draw (a chi-square test of the acceptance rule on a tiny vocabulary), each proposal is
+checked against its own positions' p and q, and a draft that is the target passes every proposal.
+After rejections, both caches hold what a run that never saw the rejected tokens holds. The command
+line's flags are checked in tests/test_cli.py and tests/test_chat_cli.py.
 """
 
 import mlx.core as mx
