@@ -429,7 +429,7 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 # every call of rms_norm() in Part 1 runs the kernel, and Part 1 still reads as you read it.
 # main() makes all the replacements, in one block:
 #   12. fused kernels     rms_norm, apply_rope, attend    unless --reference-ops
-#   13. compilation       silu_gate                       unless --reference-ops or --no-compile
+#   13. compilation       silu_gate, filter_logits        unless --reference-ops or --no-compile
 #   16. quantization      load_tensor, linear, embed      --quantize, or a folder stored quantized
 #   17. sampling          sample                          --min-p or --presence-penalty
 #   20. several machines  load_tensor, attention, swiglu  under mlx.launch
@@ -473,15 +473,16 @@ def use_fused_kernels():
 #
 # mx.compile traces a function once, then replays the recorded graph as one call, with element-wise
 # steps fused. silu_gate's sigmoid and two products become one kernel: one pass over the (seq,
-# 3072) activations instead of three. The other steps are one kernel each already. shapeless=True
-# makes one trace serve every sequence length. Inside a traced function, print(x) fails.
+# 3072) activations instead of three. Most other steps are one kernel already, but filter_logits'
+# are many small ones. shapeless=True makes one trace serve every sequence length.
 
 compiled_silu_gate = mx.compile(silu_gate, shapeless=True)
+compiled_filter_logits = mx.compile(filter_logits)  # traced once per Sampling
 
 
 def compile_model():
-    """Replaces silu_gate (section 7) with its compiled copy."""
-    replace(silu_gate=compiled_silu_gate)
+    """Replaces silu_gate (section 7) and filter_logits (section 10) with compiled copies."""
+    replace(silu_gate=compiled_silu_gate, filter_logits=compiled_filter_logits)
 
 
 # --- 14. Long prompts: prefill in pieces ----------------------------------------------------------
@@ -491,7 +492,7 @@ def compile_model():
 # a slow prefill responsive. Python acts on Ctrl-C only between mx.eval() calls. So each piece's
 # time sets the size of the next, and a slow piece (on a CPU, say) runs a layer per mx.eval().
 # Ctrl-C then stops a prefill within a fraction of a second, and progress shows as often
-# (docs/performance.md#prefill-ctrl-c-and-progress).
+# (docs/performance.md).
 PREFILL_CHUNK = 1024  # tokens in a piece, at most
 LAYER_SECONDS = 0.2  # how long a layer of a piece should take: what Ctrl-C may wait
 layer_tokens = 8  # tokens a layer runs in LAYER_SECONDS, as last measured (first, a guess)
@@ -555,7 +556,7 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
 # group keeps 64 integers q from 0 to 2^bits - 1, and one scale and one bias chosen so that
 # w ≈ scale * q + bias. With 16-bit scales and biases, a weight costs 4 + 2 x 16 / 64 = 4.5 bits
 # at 4 bits, instead of 16 (8.5 at 8 bits). The price is rounding. Each weight moves by up to half
-# a level (docs/performance.md measures the effect on one layer).
+# a level (its effect on one layer: docs/performance.md).
 
 GROUP_SIZE = 64  # weights sharing one scale and bias (mlx-lm's default)
 
@@ -827,7 +828,6 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 # a split pays for a model too big for one machine. Pipeline parallelism instead gives each machine
 # whole layers, say 0-31 and 32-63, and a token crosses the link once per boundary. But the
 # machines take turns unless several sequences are in flight, so one chat gains memory, not speed.
-# mlx-lm pipelines some large models (DeepSeek's) and splits Qwen3 like this.
 
 SPLIT_ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 SPLIT_COLUMNS = ("o_proj", "down_proj")
@@ -989,12 +989,10 @@ def use_experts(config, bits=None):
 # draw agrees: also exact, but it accepts Σ p·q, not Σ min(p, q) (docs/performance.md).
 
 def distribution(logits, sampling, min_p=0.0):
-    """sample()'s distribution for each row of logits (rows, vocab): one-hot when greedy.
-    (cli.py refuses a presence penalty with a draft: distribution() omits it.)"""
-    if sampling.temperature == 0:
-        return (mx.arange(logits.shape[-1]) == logits.argmax(-1, keepdims=True)).astype(mx.float32)
-    row = lambda logits: filter_min_p(filter_logits(logits, sampling), min_p)  # min-p: section 17
-    return mx.softmax(mx.vmap(row)(logits), axis=-1)
+    """sample()'s distribution for each row of logits (rows, vocab), less the presence penalty
+    (refused with a draft). Row by row: mx.vmap was slower on a GPU."""
+    rows = [filter_min_p(filter_logits(row, sampling), min_p) for row in logits]
+    return mx.softmax(mx.stack(rows), axis=-1)
 
 
 def verify(p, q, proposals, test_key, draw_key):
@@ -1038,7 +1036,7 @@ def use_speculative(draft, k, min_p=0.0):
             x, proposals, drafted = mx.array(unread + [token]), [], []  # 1. draft, what it lacks
             for _ in range(k):
                 drafted.append(forward(x, *draft, drafter))  # (vocab,)
-                key, pick = mx.random.split(key)
+                key, pick = mx.random.split(key) if sampling.temperature else (key, key)
                 x = sample(drafted[-1], sampling, pick)[None]  # (1,), from q
                 mx.async_eval(x)  # computed while the next is recorded
                 proposals.append(x)
@@ -1046,9 +1044,12 @@ def use_speculative(draft, k, min_p=0.0):
             logits = forward(mx.concatenate([mx.array([token]), proposals]), weights, config,
                              target, last_only=False)  # 2. verify: (k + 1, vocab)
             mx.async_eval(logits)  # runs while the rest is recorded
-            probs = distribution(mx.concatenate([logits, mx.stack(drafted)]), sampling, min_p)
-            key, test_key, draw_key = mx.random.split(key, 3)  # 3. accept: probs is p, then q
-            passed, extra = verify(probs[: k + 1], probs[k + 1 :], proposals, test_key, draw_key)
+            if sampling.temperature == 0:  # 3. accept: one-hot p and q
+                passed, extra = logits[:k].argmax(-1) == proposals, logits.argmax(-1)
+            else:
+                probs = distribution(mx.concatenate([logits, mx.stack(drafted)]), sampling, min_p)
+                key, *keys = mx.random.split(key, 3)  # probs: p, then q
+                passed, extra = verify(probs[: k + 1], probs[k + 1 :], proposals, *keys)
             mx.eval(passed, extra)
             n, proposals = (passed.tolist() + [False]).index(False), proposals.tolist()
             for layer_cache in cache:  # 4. roll back to t, d1 ... dn (the draft read to d(k-1))

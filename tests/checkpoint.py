@@ -433,6 +433,12 @@ REAL_SHAPE: dict = {}
 #               its square; at 1 attention is nearly uniform, every position
 #               sees the same context average, and greedy decoding falls into
 #               "X X X X" loops.  At 2 attention is peaked enough to avoid that.
+#               It also makes the model chaotic: a small change of the weights
+#               changes most greedy tokens.  In bfloat16, Qwen3-0.6B's shape
+#               with 12 layers, the model's own 8-bit copy picks its argmax at
+#               5% of positions at gain 2, 50% at gain 1 (about what a real
+#               model's copy does), so bench.py's speculative decoding target
+#               takes qk_norm_gain=1 (docs/performance.md).
 LOGIT_STD = 5.0
 RESIDUAL_RMS = 4 * LOGIT_STD
 QK_NORM_GAIN = 2.0
@@ -479,10 +485,11 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def init_distribution(name: str, shape: tuple[int, ...], num_layers: int) -> tuple[float, float]:
+def init_distribution(name: str, shape: tuple[int, ...], num_layers: int,
+                      qk_norm_gain: float = QK_NORM_GAIN) -> tuple[float, float]:
     """(mean, std) of the normal distribution used to initialise one tensor.
 
-    * RMSNorm weights: 1 +- 0.1, except q_norm/k_norm: QK_NORM_GAIN +- 0.1.
+    * RMSNorm weights: 1 +- 0.1, except q_norm/k_norm: qk_norm_gain +- 0.1.
     * Embeddings (and lm_head): std LOGIT_STD / sqrt(hidden).
     * Input projections (q/k/v, gate/up): std 1 / sqrt(fan_in).  Their inputs
       are RMS-normalised, so their outputs have unit scale.
@@ -494,7 +501,7 @@ def init_distribution(name: str, shape: tuple[int, ...], num_layers: int) -> tup
       gets a large logit and greedy decoding just repeats the last token.
     """
     if name.endswith(("q_norm.weight", "k_norm.weight")):
-        return QK_NORM_GAIN, 0.1
+        return qk_norm_gain, 0.1
     if name.endswith("norm.weight"):
         return 1.0, 0.1
     fan_in = shape[1]
@@ -505,13 +512,14 @@ def init_distribution(name: str, shape: tuple[int, ...], num_layers: int) -> tup
     return 0.0, 1.0 / math.sqrt(fan_in)
 
 
-def random_weights(config: dict, seed: int = 0, dtype=mx.bfloat16) -> dict[str, mx.array]:
+def random_weights(config: dict, seed: int = 0, dtype=mx.bfloat16,
+                   qk_norm_gain: float = QK_NORM_GAIN) -> dict[str, mx.array]:
     """Deterministic random weights for ``config``, one key per tensor."""
     shapes = weight_shapes(config)
     keys = mx.random.split(mx.random.key(seed), len(shapes))
     weights = {}
     for key, (name, shape) in zip(keys, shapes.items()):
-        mean, std = init_distribution(name, shape, config["num_hidden_layers"])
+        mean, std = init_distribution(name, shape, config["num_hidden_layers"], qk_norm_gain)
         weights[name] = mx.random.normal(shape, dtype=dtype, loc=mean, scale=std, key=key)
         # Materialise each tensor right away, so only one full-precision
         # temporary exists at a time (matters for the 151936 x 1024 embedding).
@@ -535,6 +543,7 @@ def write_checkpoint(
     dtype: str = "bfloat16",
     shards: int = 1,
     tied_head: str | None = None,
+    qk_norm_gain: float = QK_NORM_GAIN,
 ) -> Path:
     """Write a random-weight Qwen3 checkpoint in Hugging Face layout.
 
@@ -560,7 +569,7 @@ def write_checkpoint(
     _write_json(folder / "tokenizer_config.json", QWEN3_TOKENIZER_CONFIG)
     write_tokenizer_json(folder / "tokenizer.json")
 
-    weights = random_weights(config, seed=seed, dtype=mx_dtype)
+    weights = random_weights(config, seed=seed, dtype=mx_dtype, qk_norm_gain=qk_norm_gain)
     if tied_head is not None:
         assert config["tie_word_embeddings"], "tied_head only applies to tied checkpoints"
         embedding = weights["model.embed_tokens.weight"]

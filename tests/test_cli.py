@@ -375,13 +375,15 @@ def test_default_max_tokens_is_at_most_half_the_context(tiny_model, variant, tmp
 def test_flags_choose_part_2s_replacements(tiny_model, capsys, flags, fused, compiled):
     """main() makes section 12's and 13's replacements unless told not to: --reference-ops runs
     Part 1 as written, compilation included."""
-    part1 = {name: getattr(li, name) for name in ("rms_norm", "apply_rope", "attend", "silu_gate")}
+    part1 = {name: getattr(li, name)
+             for name in ("rms_norm", "apply_rope", "attend", "silu_gate", "filter_logits")}
     assert li.main(["--model", str(tiny_model), "--max-tokens", "1", *flags]) == 0
     assert capsys.readouterr().out
     kernels = (li.fused_rms_norm, li.fused_rope, li.fused_attend) if fused else (
         part1["rms_norm"], part1["apply_rope"], part1["attend"])
     assert (li.rms_norm, li.apply_rope, li.attend) == kernels
     assert li.silu_gate is (li.compiled_silu_gate if compiled else part1["silu_gate"])
+    assert li.filter_logits is (li.compiled_filter_logits if compiled else part1["filter_logits"])
 
 
 def test_no_cache_and_no_compile_give_the_same_greedy_text(tiny_model, greedy_24, tmp_path):

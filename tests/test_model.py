@@ -282,6 +282,20 @@ def test_top_p_drops_a_token_whose_preceding_mass_equals_top_p():
     assert kept.tolist() == [True, True, False, False, False]
 
 
+def test_compiled_filter_logits_follows_each_new_sampling():
+    """Section 13's compiled filter_logits keeps the tokens Part 1's keeps, with the same logits,
+    for Samplings that change from call to call: each is a new trace, not the first one replayed."""
+    logits = mx.random.normal((1000,), key=mx.random.key(2)) * 3
+    for kw in [dict(top_p=0.5), dict(temperature=0.6, top_k=20, top_p=0.95), dict(top_p=0.5),
+               dict(temperature=2.0, top_k=5), dict(top_k=999, top_p=0.99)]:
+        sampling = li.Sampling(**{"temperature": 1.0} | kw)
+        compiled = li.compiled_filter_logits(logits, sampling)
+        plain = li.filter_logits(logits, sampling)
+        kept = plain > -mx.inf
+        assert (compiled > -mx.inf).tolist() == kept.tolist(), kw
+        assert mx.allclose(mx.where(kept, compiled, 0), mx.where(kept, plain, 0)), kw
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_without_the_cache_the_tokens_and_logits_are_the_same(checkpoint, fused):
     """--no-cache recomputes the whole sequence at every step: slower, but the very same results."""
