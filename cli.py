@@ -712,7 +712,7 @@ def parse_args(argv):
     lab("--no-cache", action="store_true",
         help="recompute the whole sequence at every step, without the KV cache")
     lab("--no-compile", action="store_true",
-        help="run silu_gate uncompiled (section 13), so print() works inside it")
+        help="run silu_gate and filter_logits uncompiled (section 13), so print() works inside")
     lab("--reference-ops", action="store_true",
         help="run Part 1 as written: no fused kernels (section 12), no compilation")
     args = ap.parse_args(argv)
