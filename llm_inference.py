@@ -477,7 +477,8 @@ def use_fused_kernels():
 # are many small ones. shapeless=True makes one trace serve every sequence length.
 
 compiled_silu_gate = mx.compile(silu_gate, shapeless=True)
-compiled_filter_logits = mx.compile(filter_logits)  # traced once per Sampling
+traced = mx.compile(filter_logits)  # a trace per Sampling, less its unread seed
+compiled_filter_logits = lambda logits, sampling: traced(logits, sampling._replace(seed=0))
 
 
 def compile_model():
@@ -491,8 +492,7 @@ def compile_model():
 # That bounds the memory of one pass, at some cost in speed (docs/performance.md). Pieces also keep
 # a slow prefill responsive. Python acts on Ctrl-C only between mx.eval() calls. So each piece's
 # time sets the size of the next, and a slow piece (on a CPU, say) runs a layer per mx.eval().
-# Ctrl-C then stops a prefill within a fraction of a second, and progress shows as often
-# (docs/performance.md).
+# Ctrl-C then stops a prefill within a fraction of a second, and progress shows as often.
 PREFILL_CHUNK = 1024  # tokens in a piece, at most
 LAYER_SECONDS = 0.2  # how long a layer of a piece should take: what Ctrl-C may wait
 layer_tokens = 8  # tokens a layer runs in LAYER_SECONDS, as last measured (first, a guess)
@@ -626,8 +626,8 @@ def use_quantization(bits=None, stored=None):
 # --- 17. More sampling controls: min-p and a presence penalty -------------------------------------
 #
 # Min-p keeps the tokens at least min_p times as likely as the likeliest one, after top-k and top-p
-# (transformers' order). The cut is strict when one token dominates. The presence penalty lowers
-# the logit of every token already in the reply by the same amount (OpenAI's and vLLM's meaning).
+# (transformers' order). It cuts more when one token dominates. The presence penalty lowers
+# the logit of every token already in the reply by the same amount (OpenAI's meaning).
 # It works against the loops a small model can fall into. It is a sample() that remembers the
 # reply's tokens in an MLX array, so that it works on tokens not yet computed.
 
@@ -989,9 +989,8 @@ def use_experts(config, bits=None):
 # draw agrees: also exact, but it accepts Σ p·q, not Σ min(p, q) (docs/performance.md).
 
 def distribution(logits, sampling, min_p=0.0):
-    """sample()'s distribution for each row of logits (rows, vocab), less the presence penalty
-    (refused with a draft). Row by row: mx.vmap was slower on a GPU."""
-    rows = [filter_min_p(filter_logits(row, sampling), min_p) for row in logits]
+    """What sample() draws from, for each row (rows, vocab), without a presence penalty."""
+    rows = [filter_min_p(filter_logits(row, sampling), min_p) for row in logits]  # mx.vmap: slower
     return mx.softmax(mx.stack(rows), axis=-1)
 
 

@@ -296,6 +296,19 @@ def test_compiled_filter_logits_follows_each_new_sampling():
         assert mx.allclose(mx.where(kept, compiled, 0), mx.where(kept, plain, 0)), kw
 
 
+def test_compiled_filter_logits_takes_any_seed():
+    """Bug: the seed, which filter_logits never reads, went into mx.compile's trace, and a seed
+    from 2**63 on crashed it (cli.py takes seeds up to 2**64 - 1)."""
+    logits = mx.random.normal((1000,), key=mx.random.key(3))
+    sampling = li.Sampling(temperature=0.7, top_p=0.9)
+    expected = li.filter_logits(logits, sampling)
+    kept = expected > -mx.inf
+    for seed in (0, 5, 2**63, 2**64 - 1):
+        got = li.compiled_filter_logits(logits, sampling._replace(seed=seed))
+        assert (got > -mx.inf).tolist() == kept.tolist()
+        assert mx.allclose(mx.where(kept, got, 0), mx.where(kept, expected, 0))
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_without_the_cache_the_tokens_and_logits_are_the_same(checkpoint, fused):
     """--no-cache recomputes the whole sequence at every step: slower, but the very same results."""
