@@ -477,7 +477,7 @@ def use_fused_kernels():
 # are many small ones. shapeless=True makes one trace serve every sequence length.
 
 compiled_silu_gate = mx.compile(silu_gate, shapeless=True)
-traced = mx.compile(filter_logits)  # a trace per Sampling, less its unread seed
+traced = mx.compile(filter_logits)  # a trace per Sampling, not per seed
 compiled_filter_logits = lambda logits, sampling: traced(logits, sampling._replace(seed=0))
 
 
@@ -989,7 +989,7 @@ def use_experts(config, bits=None):
 # draw agrees: also exact, but it accepts Σ p·q, not Σ min(p, q) (docs/performance.md).
 
 def distribution(logits, sampling, min_p=0.0):
-    """What sample() draws from, for each row (rows, vocab), without a presence penalty."""
+    """What sample() draws from, per row (rows, vocab), no presence penalty (cli.py refuses one)."""
     rows = [filter_min_p(filter_logits(row, sampling), min_p) for row in logits]  # mx.vmap: slower
     return mx.softmax(mx.stack(rows), axis=-1)
 
