@@ -38,7 +38,7 @@ from tokenizers.decoders import DecodeStream
 # ================================================================================================
 #
 # Plain functions that write the math out. `python llm_inference.py --reference-ops` runs exactly
-# this code. A plain run swaps in fused kernels and compilation for four of these functions, and
+# this code. A plain run swaps in fused kernels and compilation for five of these functions, and
 # quantizing, several processes and min-p swap in others: Part 2 says which, and why.
 
 # --- 1. Load: the hyper-parameters from config.json, the weights from *.safetensors ---------------
@@ -197,7 +197,7 @@ def apply_rope(x, offset, theta):
 # cache of one K/V head per query head (multi-head attention), at little cost in quality.
 
 def linear(x, weight):
-    """x @ weight.T, every matrix product of the model: x (seq, in) -> (seq, out). The checkpoint
+    """x @ weight.T, every product with a weight matrix: x (seq, in) -> (seq, out). The checkpoint
     stores each matrix as (out, in), the layout of PyTorch's nn.Linear."""
     return x @ weight.T
 
@@ -326,7 +326,7 @@ def forward(token_ids, weights, config, cache, last_only=True):
 # --- 10. Sample: pick the next token from the logits ----------------------------------------------
 
 class Sampling(NamedTuple):
-    """Greedy by default. A chat takes Qwen's values from generation_config.json: temperature 0.6,
+    """Greedy by default. A thinking chat takes generation_config.json's values: temperature 0.6,
     top-k 20, top-p 0.95. main() also draws a random seed, unless given one."""
     temperature: float = 0.0  # 0 = greedy: always the most likely token
     top_k: int = 0  # keep the k most likely tokens (0 = all) ...
