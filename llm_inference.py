@@ -488,36 +488,67 @@ def compile_model():
 
 # --- 14. Long prompts: prefill in pieces ----------------------------------------------------------
 #
-# A piece of 1024 tokens has attention scores of (heads, 1024, total), not (heads, total, total).
-# That bounds the memory of one pass, at some cost in speed (docs/performance.md). Pieces also keep
-# a slow prefill responsive. Python acts on Ctrl-C only between mx.eval() calls. So each piece's
-# time sets the size of the next, and a slow piece (on a CPU, say) runs a layer per mx.eval().
-# Ctrl-C then stops a prefill within a fraction of a second, and progress shows as often.
+# The problem: Python acts on Ctrl-C only between mx.eval() calls, so one pass over a long prompt
+# can't be stopped, and shows no progress. On this project's CPU, 1,024 tokens of Qwen3-0.6B took
+# 35.6 s (docs/performance.md#prefill-ctrl-c-and-progress).
+#
+# The idea: with the cache (section 6), a prompt can go through in pieces, each continuing the one
+# before. A piece runs a few layers per mx.eval(), as many as run in LAYER_SECONDS. That speed is
+# measured: each piece's time sets the next one's size. A worked example: 28 layers, on a CPU where
+# a layer runs 600 tokens in 0.2 s, and a 100-token prompt.
+#   1. Not yet timed: a first piece of FIRST_GUESS = 8 tokens, a layer per mx.eval(). It takes
+#      2.7 ms a layer, so a layer runs 600 tokens in 0.2 s, and all 28 run 600 / 28 = 21.
+#   2. 92 tokens are left, more than 21: a piece of 64 (a power of two, below), 9 layers per
+#      mx.eval() (9 x 64 = 576 tokens' worth).
+#   3. 28 left: a piece of 16, all 28 layers in one mx.eval(). The last 12 go through generate().
+# On a GPU, a layer runs thousands of tokens in 0.2 s. There, once timed, a prompt of up to
+# PREFILL_CHUNK tokens goes through generate() in one pass, as in Part 1. A prompt of at most
+# SHORT_PROMPT tokens always does: on a CPU, each piece would read all the weights again.
+#
+# Piece sizes are powers of two, so that a GPU meets few distinct shapes. A new shape costs time
+# the first time: MLX's CUDA backend compiles some kernels for it (kept on disk in
+# $MLX_PTX_CACHE_DIR, by default /tmp/mlx/<version>/ptx), as mx.compile does (section 13).
+#
+# Pieces also bound memory. attend() (--reference-ops), and MLX's fused attention on a CPU, build a
+# piece's scores at once: (heads, piece, total) numbers, not (heads, total, total). On a Mac's GPU,
+# the fused kernel (section 12) for heads of 128 channels never builds them: it reads the keys in
+# tiles (MLX's Metal scaled_dot_product_attention.cpp: "sdpa_full" over 8 queries, "sdpa_vector"
+# up to 8).
+#
+# Try it: `python llm_inference.py --prompt - < README.md` shows a prefill's progress on stderr
+# after a second or so on a CPU, and Ctrl-C stops it. This section replaces no function: main()
+# calls generate_long(), which calls generate() for the last piece.
+
 PREFILL_CHUNK = 1024  # tokens in a piece, at most
-LAYER_SECONDS = 0.2  # how long a layer of a piece should take: what Ctrl-C may wait
-layer_tokens = 8  # tokens a layer runs in LAYER_SECONDS, as last measured (first, a guess)
+SHORT_PROMPT = 32  # a prompt this short goes through generate() in one pass
+LAYER_SECONDS = 0.2  # how long one mx.eval() of a piece should take: what Ctrl-C may wait
+FIRST_GUESS = 8  # tokens a layer runs in LAYER_SECONDS, before a model's first piece is timed
+layer_tokens = {}  # the same, as last measured, per model (by id() of its weights): a draft's and
+#                    its target's (section 22) differ
 
 
 def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
                   cache=None, progress=None):
     """generate() for a prompt of any length: all but its last piece first fill the cache, piece
     by piece. progress(done, total), if given, runs after each mx.eval()."""
-    global layer_tokens
     cache = make_cache(config) if cache is None else cache
     done, total, n_layers = 0, len(prompt_ids), len(cache)
-    # generate() runs the last piece through all layers at once: at most layer_tokens / n_layers.
-    while total - done > min(max(layer_tokens // n_layers, 1), PREFILL_CHUNK):
-        size, start = min(layer_tokens, PREFILL_CHUNK, total - done - 1), time.perf_counter()
+    pace = layer_tokens.get(id(weights), FIRST_GUESS)
+    # generate() runs its tokens through all layers in one mx.eval(): at most pace / n_layers.
+    while total > SHORT_PROMPT and total - done > min(max(pace // n_layers, 1), PREFILL_CHUNK):
+        size = min(pace, PREFILL_CHUNK, total - done - 1)
+        size = 2 ** int(math.log2(size))  # a power of two: at most half as large
+        start = time.perf_counter()
         forward(mx.array(prompt_ids[done : done + size]), weights, config, cache)  # recorded only
-        # Run as many layers at a time as run in LAYER_SECONDS: all of them on a fast GPU, where
-        # each mx.eval() costs a wait. Only the cache is asked for: the logits are never computed.
-        at_once = max(1, min(layer_tokens // size, n_layers))
+        # Only the cache is asked for: the logits are never computed.
+        at_once = max(1, min(pace // size, n_layers))  # layers per mx.eval()
         for first in range(0, n_layers, at_once):
             mx.eval([(c.keys, c.values) for c in cache[first : first + at_once]])
             if progress:
                 progress(done + size * min(first + at_once, n_layers) // n_layers, total)
         done += size
-        layer_tokens = tokens_per_layer(size, (time.perf_counter() - start) / n_layers)
+        pace = tokens_per_layer(size, (time.perf_counter() - start) / n_layers)
+        layer_tokens[id(weights)] = pace
     yield from generate(prompt_ids[done:], weights, config, max_tokens, sampling, eos_ids, cache)
 
 

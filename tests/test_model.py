@@ -139,10 +139,13 @@ def test_cached_decoding_equals_recomputing(checkpoint, fused):
 
 
 def pieces_of(monkeypatch, n):
-    """Prefill pieces of n tokens, however long a layer takes (section 14 sizes them by time)."""
+    """Prefill pieces of n tokens, however long a layer takes (section 14 sizes them by time), for
+    a prompt of any length (no SHORT_PROMPT)."""
     monkeypatch.setattr(li, "PREFILL_CHUNK", n)
     monkeypatch.setattr(li, "LAYER_SECONDS", 10**6)
-    monkeypatch.setattr(li, "layer_tokens", 10**9)
+    monkeypatch.setattr(li, "FIRST_GUESS", 10**9)
+    monkeypatch.setattr(li, "layer_tokens", {})
+    monkeypatch.setattr(li, "SHORT_PROMPT", 0)
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -591,27 +594,41 @@ def test_generate_long_reports_its_progress_after_each_piece(tiny, monkeypatch, 
         assert offsets == [done] * config.num_hidden_layers  # the piece is in the cache
 
 
+def prefill_clock(monkeypatch, cache, seconds):
+    """A clock set by hand: each mx.eval() of a prefill takes seconds(tokens, layers), for the
+    tokens of the piece last given to forward() and the layers of `cache` it runs. Returns the
+    sizes given to forward(), and the layers each mx.eval() ran: [[(0, "keys"), (0, "values")]...]."""
+    clock, sizes, evals = [0.0], [], []
+    evaluate, forward = mx.eval, li.forward
+
+    def timed_eval(*arrays):
+        ran = [(i, name) for _, a in tree_flatten(arrays) for i, c in enumerate(cache)
+               for name in ("keys", "values") if getattr(c, name) is a]
+        evals.append(ran)
+        clock[0] += seconds(sizes[-1], len(ran) // 2)
+        evaluate(*arrays)
+
+    monkeypatch.setattr(mx, "eval", timed_eval)
+    monkeypatch.setattr(li, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(li, "forward", lambda ids, *args, **kwargs: (
+        sizes.append(len(ids)), forward(ids, *args, **kwargs))[1])
+    monkeypatch.setattr(li, "layer_tokens", {})
+    return sizes, evals
+
+
 def test_a_prefill_runs_a_layer_per_eval_in_pieces_sized_by_time(tiny, monkeypatch):
     """Issue 32: Ctrl-C waited for a whole 1024-token piece (27.5 s on a CPU), since Python acts on
     it only between mx.eval() calls. Now each mx.eval() of a prefill runs one layer of a piece (its
     keys and values, in order), and each piece holds the tokens a layer ran in LAYER_SECONDS in
     the piece before: here, on a clock set by hand, a layer takes 0.4 s whatever its size, so the
     sizes halve from the first guess of 8 tokens. generate() gets at most what a layer runs in
-    LAYER_SECONDS (at least a token), and the count carries over to the next prefill."""
+    LAYER_SECONDS (at least a token), and the count carries over to the model's next prefill."""
     config = li.load_config(tiny)
     weights = li.load_weights(tiny, config, mx.float32)
-    clock, evals, cache, evaluate = [0.0], [], li.make_cache(config), mx.eval
-
-    def one_layer(*arrays):  # which layers' keys and values this eval runs; it takes 0.4 s
-        evals.append([(i, name) for _, a in tree_flatten(arrays) for i, c in enumerate(cache)
-                      for name in ("keys", "values") if getattr(c, name) is a])
-        clock[0] += 0.4
-        evaluate(*arrays)
-
-    monkeypatch.setattr(mx, "eval", one_layer)
-    monkeypatch.setattr(li, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(li, "layer_tokens", 8)
-    assert li.LAYER_SECONDS == 0.2
+    cache = li.make_cache(config)
+    _, evals = prefill_clock(monkeypatch, cache, lambda tokens, layers: 0.4 * layers)
+    monkeypatch.setattr(li, "SHORT_PROMPT", 16)  # the 20-token prompt is not short
+    assert (li.FIRST_GUESS, li.LAYER_SECONDS) == (8, 0.2)
     prompt = mx.random.randint(0, config.vocab_size, (20,), key=mx.random.key(9)).tolist()
     pieces = []
     generated = tokens(li.generate_long(prompt, weights, config, 3, cache=cache, progress=lambda
@@ -619,5 +636,60 @@ def test_a_prefill_runs_a_layer_per_eval_in_pieces_sized_by_time(tiny, monkeypat
     assert generated == tokens(li.generate(prompt, weights, config, 3))
     # After each layer: 8 tokens in 2 layers (4, 8), then 4 (10, 12), 2 (13, 14), then 1 each.
     assert pieces == [4, 8, 10, 12, 13, 14, 14, 15, 15, 16, 16, 17, 17, 18, 18, 19]
-    assert evals == [[(0, "keys"), (0, "values")], [(1, "keys"), (1, "values")]] * 8
-    assert li.layer_tokens == 1  # for the next prefill
+    assert evals[:16] == [[(0, "keys"), (0, "values")], [(1, "keys"), (1, "values")]] * 8
+    assert li.layer_tokens == {id(weights): 1}  # for this model's next prefill
+
+
+def test_the_worked_example_of_section_14(checkpoints, monkeypatch):
+    """Section 14's example, on its clock: 28 layers, a layer runs 600 tokens in 0.2 s, and a
+    100-token prompt goes in pieces of 8 (a layer per mx.eval()), 64 (9 layers per mx.eval()) and
+    16 (all 28 at once); the last 12 tokens go through generate(). Piece sizes are powers of two."""
+    folder = checkpoints(TINY_CONFIG | {"num_hidden_layers": 28, "max_window_layers": 28})
+    config = li.load_config(folder)
+    weights = li.load_weights(folder, config, mx.float32)
+    cache = li.make_cache(config)
+    sizes, evals = prefill_clock(monkeypatch, cache, lambda tokens, layers: tokens * layers / 3000)
+    prompt = mx.random.randint(0, config.vocab_size, (100,), key=mx.random.key(4)).tolist()
+    generate = li.generate
+    monkeypatch.setattr(li, "generate", lambda ids, *args: iter([(len(ids), None)]))
+    assert tokens(li.generate_long(prompt, weights, config, 1, cache=cache)) == [12]
+    assert sizes == [8, 64, 16]
+    assert [len(ran) // 2 for ran in evals] == [1] * 28 + [9, 9, 9, 1] + [28]
+    assert li.layer_tokens == {id(weights): 600}
+    assert generate is not li.generate
+
+
+def test_a_short_prompt_goes_through_generate_in_one_pass(tiny, monkeypatch):
+    """Issue 40: the first guess split even a 4-token prompt into pieces [3, 1]. A prompt of at
+    most SHORT_PROMPT tokens goes through Part 1's generate() as it is, timed or not; so does a
+    prompt of PREFILL_CHUNK tokens once a layer is timed to run far more in LAYER_SECONDS."""
+    config = li.load_config(tiny)
+    weights = li.load_weights(tiny, config, mx.float32)
+    monkeypatch.setattr(li, "layer_tokens", {})
+    calls, generate = [], li.generate
+    monkeypatch.setattr(li, "generate", lambda ids, *args: (calls.append(len(ids)),
+                                                             generate(ids, *args))[1])
+    for length in (1, 4, li.SHORT_PROMPT):
+        prompt = mx.random.randint(0, config.vocab_size, (length,), key=mx.random.key(3)).tolist()
+        assert tokens(li.generate_long(prompt, weights, config, 2)) == tokens(
+            generate(prompt, weights, config, 2))
+        assert calls.pop() == length
+    assert li.layer_tokens == {}  # nothing was timed
+    li.layer_tokens[id(weights)] = 10**6  # as on a fast GPU
+    tokens(li.generate_long(list(range(li.PREFILL_CHUNK)), weights, config, 1))
+    assert calls == [li.PREFILL_CHUNK]
+
+
+def test_each_model_keeps_its_own_prefill_pace(tiny, monkeypatch):
+    """Issue 40: one pace for all models sized the target's first piece by its draft's (section
+    22): with a 0.6B draft for an 8B target, a 12x longer wait for Ctrl-C. A model whose prefill
+    was never timed starts from FIRST_GUESS, whatever another model's pace."""
+    config = li.load_config(tiny)
+    draft = li.load_weights(tiny, config, mx.float32)
+    target = li.load_weights(tiny, config, mx.float32)
+    sizes, _ = prefill_clock(monkeypatch, [], lambda tokens, layers: 0.001)
+    tokens(li.generate_long(list(range(100)), draft, config, 1))  # fast: 8, then 92 in one pass
+    assert sizes == [8, 92] and li.layer_tokens[id(draft)] >= 100
+    sizes.clear()
+    tokens(li.generate_long(list(range(100)), target, config, 1))
+    assert sizes[0] == li.FIRST_GUESS
