@@ -17,6 +17,9 @@ program around them is cli.py: checks, download, flags, terminal output. You nee
       10. sample    -> 12095, the id of " Paris"
       11. generate  feed it back in, repeat until an end-of-sequence token
 
+The LM head (language-model head) is the last matrix, (151936, 1024). It turns the last vector
+into logits, one score for each of the vocabulary's 151936 tokens. The higher a token's score, the
+likelier it comes next.
 Shapes are for one sequence, with Qwen3-0.6B's sizes. Attention's arrays lead with a batch of 1.
 MLX is lazy. `y = x @ w` only records the operation in a graph, and the arithmetic runs when a
 value is needed (`print(y)`, `y.item()`, `mx.eval(y)`). generate() (section 11) builds on that.
@@ -28,7 +31,9 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-import cli  # the program around the model. Imported first: on a Linux CPU, it loads OpenBLAS.
+# cli.py, the program around the model, is imported before MLX. On a Linux CPU it loads OpenBLAS,
+# which MLX uses for its float32 matrix products only if loaded first (cli.py's top says why).
+import cli
 import mlx.core as mx
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -38,8 +43,11 @@ from tokenizers.decoders import DecodeStream
 # ================================================================================================
 #
 # Plain functions that write the math out. `python llm_inference.py --reference-ops` runs exactly
-# this code. A plain run swaps in fused kernels and compilation for five of these functions, and
-# quantizing, several processes and min-p swap in others: Part 2 says which, and why.
+# this code, except that a prompt over 1,024 tokens is first prefilled in pieces (section 14).
+# A plain run swaps five of these functions for faster ones that compute the same. MLX's fused
+# kernels do in one step on a GPU what several operations do here (section 12). Compilation
+# merges a function's element-wise steps into one (section 13). Quantizing, several processes and
+# min-p swap in others. Part 2 says which, and why.
 
 # --- 1. Load: the hyper-parameters from config.json, the weights from *.safetensors ---------------
 
@@ -146,7 +154,8 @@ def detokenize(tokenizer, token_ids):
 def text_stream(tokenizer):
     """A function that takes a reply's ids one at a time and returns the text each one completes.
     A piece is bytes, so two tokens can split a character: 🦜 is [123918, 250], each alone "�".
-    DecodeStream keeps such bytes (returning None: "" here) until the token that completes them."""
+    DecodeStream keeps such bytes (returning None: "" here) until the token that completes them.
+    Special tokens, such as the <|im_end|> that ends a reply, print nothing (<think> is not one)."""
     stream = DecodeStream(skip_special_tokens=True)
     return lambda token_id: stream.step(tokenizer, token_id) or ""
 
@@ -192,9 +201,11 @@ def apply_rope(x, offset, theta):
 # RoPE (section 5) puts the positions into queries and keys. A causal mask keeps each position
 # from seeing the ones after it, since the model learns to predict them.
 #
-# Heads look for different things in parallel. Qwen3's grouped-query attention gives its 16 query
-# heads 8 key/value heads, each shared by 2 query heads: half the keys and values to compute and to
-# cache of one K/V head per query head (multi-head attention), at little cost in quality.
+# Heads look for different things in parallel. In multi-head attention, each query head has a
+# key/value (K/V) head of its own. In grouped-query attention, a group of query heads shares one.
+# Say 4 query heads share 2 K/V heads. Then query heads 0 and 1 read K/V head 0, and query heads
+# 2 and 3 read K/V head 1. That halves the keys and values to compute and to cache, at little cost
+# in quality. Qwen3-0.6B's 16 query heads share 8 K/V heads in the same way, 2 to a K/V head.
 
 def linear(x, weight):
     """x @ weight.T, every product with a weight matrix: x (seq, in) -> (seq, out). The checkpoint
@@ -210,8 +221,9 @@ def queries_keys_values(x, layer, config, offset):
     q = linear(x, layer["q_proj"]).reshape(1, seq, c.num_attention_heads, c.head_dim).swapaxes(1, 2)
     k = linear(x, layer["k_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim).swapaxes(1, 2)
     v = linear(x, layer["v_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim).swapaxes(1, 2)
-    # QK-norm, new in Qwen3, RMS-normalises each head's 128 query and key channels, which could
-    # otherwise grow in training until the softmax saturates. Normalise, then rotate, as Qwen3 was
+    # QK-norm RMS-normalises each head's 128 query and key channels, which could otherwise grow in
+    # training until the softmax saturates. It is new to Qwen in Qwen3 (Qwen2 added biases to q, k
+    # and v instead), after ViT-22B, OLMo 2 and Gemma 3. Normalise, then rotate, as Qwen3 was
     # trained: the rotation mixes channels i and i + 64, which have gains of their own.
     q = apply_rope(rms_norm(q, layer["q_norm"], c.rms_norm_eps), offset, c.rope_theta)
     k = apply_rope(rms_norm(k, layer["k_norm"], c.rms_norm_eps), offset, c.rope_theta)
@@ -234,13 +246,13 @@ class KVCache:
         end = self.offset + k.shape[-2]
         capacity = 0 if self.keys is None else self.keys.shape[-2]
         if end > capacity:  # full: add room for a whole number of GROWTH positions
-            room = math.ceil((end - capacity) / self.GROWTH) * self.GROWTH
-            room = (*k.shape[:-2], room, k.shape[-1])  # the shape of the new positions
+            n_added = math.ceil((end - capacity) / self.GROWTH) * self.GROWTH
+            added = (*k.shape[:-2], n_added, k.shape[-1])  # the new positions' shape
             if self.keys is None:  # two arrays, not one shared, as the writes below are in place
-                self.keys, self.values = mx.zeros(room, k.dtype), mx.zeros(room, v.dtype)
+                self.keys, self.values = mx.zeros(added, k.dtype), mx.zeros(added, v.dtype)
             else:
-                self.keys = mx.concatenate([self.keys, mx.zeros(room, k.dtype)], axis=-2)
-                self.values = mx.concatenate([self.values, mx.zeros(room, v.dtype)], axis=-2)
+                self.keys = mx.concatenate([self.keys, mx.zeros(added, k.dtype)], axis=-2)
+                self.values = mx.concatenate([self.values, mx.zeros(added, v.dtype)], axis=-2)
         self.keys[..., self.offset : end, :] = k
         self.values[..., self.offset : end, :] = v
         self.offset = end
@@ -326,8 +338,10 @@ def forward(token_ids, weights, config, cache, last_only=True):
 # --- 10. Sample: pick the next token from the logits ----------------------------------------------
 
 class Sampling(NamedTuple):
-    """Greedy by default. A thinking chat takes generation_config.json's values: temperature 0.6,
-    top-k 20, top-p 0.95. main() also draws a random seed, unless given one."""
+    """Greedy by default. cli.py fills in what no flag sets. --temperature alone also brings
+    generation_config.json's top-k and top-p: 20 and 0.95 for Qwen3 (without the file, 50 and
+    1.0, transformers' defaults). A thinking chat takes all three from it: temperature 0.6, top-k
+    20, top-p 0.95. main() also draws a random seed, unless given one."""
     temperature: float = 0.0  # 0 = greedy: always the most likely token
     top_k: int = 0  # keep the k most likely tokens (0 = all) ...
     top_p: float = 1.0  # ... then the fewest whose probabilities add up to >= top_p (nucleus)
@@ -337,6 +351,7 @@ class Sampling(NamedTuple):
 def filter_logits(logits, sampling):
     """Divide by the temperature. Then set to -inf every token that top-k or top-p rules out, in
     the order Hugging Face transformers applies them."""
+    # float32: bfloat16 keeps 8 significant bits, too few for top-p's running sum of probabilities.
     logits = logits.astype(mx.float32) / sampling.temperature  # < 1 sharpens, > 1 flattens
     top_k, top_p, n_vocab = sampling.top_k, sampling.top_p, len(logits)
     if 0 < top_k < n_vocab:
@@ -377,8 +392,8 @@ def load_eos_ids(model_dir, tokenizer):
     chat turn, and <|endoftext|> (151643), which ends a document, if the tokenizer has them."""
     path = Path(model_dir) / "generation_config.json"
     config = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    listed = config.get("eos_token_id")  # one id or a list: mx.atleast_1d makes both a list
-    ids = set(mx.atleast_1d(mx.array(listed)).tolist()) if listed is not None else set()
+    listed = config.get("eos_token_id")  # one id, a list of them, or null (None, dropped below)
+    ids = set(listed) if isinstance(listed, list) else {listed}
     return (ids | {tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")}) - {None}
 
 
