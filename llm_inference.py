@@ -439,21 +439,23 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 # PART 2: GOING FURTHER (optional sections that build on Part 1)
 # ================================================================================================
 #
-# Some sections change how Part 1 runs. Each replaces Part 1 functions by name, with replace().
-# Python looks a global name up each time it is called. So after replace(rms_norm=fused_rms_norm),
-# every call of rms_norm() in Part 1 runs the kernel, and Part 1 still reads as you read it.
-# main() makes all the replacements, in one block:
+# Some sections change how Part 1 runs, with replace(). replace(rms_norm=fused_rms_norm) makes
+# this module's global name rms_norm stand for fused_rms_norm. Python looks a global name up each
+# time a line that uses it runs. So from then on, every call of rms_norm() in Part 1, such as
+# transformer_block()'s, runs fused_rms_norm, and Part 1 still reads as you read it. A replacement
+# may keep the function it replaces and call it, as section 20's loader calls section 16's. So
+# main() makes them in a set order, all in one block. Names marked (14) are section 14's:
 #   12. fused kernels     rms_norm, apply_rope, attend    unless --reference-ops
 #   13. compilation       silu_gate, filter_logits        unless --reference-ops or --no-compile
 #   16. quantization      load_tensor, linear, embed      --quantize, or a folder stored quantized
 #   17. sampling          sample                          --min-p or --presence-penalty
-#   20. several machines  load_tensor, attention, swiglu  under mlx.launch
+#   20. several machines  load_tensor, attention, swiglu, tokens_per_layer (14)   under mlx.launch
 #   21. experts           layer_shapes, load_tensor, swiglu   a qwen3_moe model
 #   22. speculative       make_cache, generate_long (14)  --draft-model
 
 def replace(**functions):
-    """From now on, calls by these names (Part 1's functions) run the functions given. A misspelt
-    name would replace nothing, so it is refused."""
+    """From now on, calls by these names (Part 1's or section 14's functions) run the functions
+    given. A misspelt name would replace nothing, so it is refused."""
     unknown = set(functions) - set(globals())
     if unknown:
         raise NameError(f"no function {', '.join(sorted(unknown))} to replace")
@@ -462,20 +464,37 @@ def replace(**functions):
 
 # --- 12. Fused kernels: RMSNorm, RoPE and attention in one kernel each ----------------------------
 #
-# Written out (sections 4 to 6), each of these is several MLX operations, each a pass over memory.
-# mx.fast has each as one kernel: one pass on a GPU, the same numbers to rounding.
+# On a GPU, each MLX operation runs as a kernel: a small program that reads its inputs from memory
+# and writes its output back. For a small model on a fast GPU, this cost per kernel, not reading
+# the weights, sets the pace of decoding (docs/performance.md#what-limits-decoding).
+# In bfloat16, rms_norm() is 9 operations: a cast to float32, x², a sum, its division by 1024,
+# + eps, rsqrt, a product, a cast back and the gain. For one token, each of the 9 kernels reads
+# and writes about 1024 numbers. A fused kernel does the 9 steps in one: it reads x and the gain
+# once and writes the result once. A decode step of Qwen3-0.6B normalises 113 times (4 times a
+# block, then the final norm): 113 kernels, not 1,017.
+# mx.fast's fused kernels for RMSNorm, RoPE and attention do Part 1's math, to rounding, as
+# tests/test_ops.py checks both ways against MLX's own layers (test_rms_norm_matches_mlx,
+# test_apply_rope_matches_nn_rope, test_attention_matches_mlx_sdpa). On a CPU, mx.fast runs the
+# same separate operations: docs/performance.md#fused-kernels---reference-ops measures no gain.
+# Try it: on a Mac, compare the decode rate of `python llm_inference.py` and of its --reference-ops.
 
 def fused_rms_norm(x, weight, eps):
+    """mx.fast.rms_norm: rms_norm()'s x / sqrt(mean(x²) + eps) * weight, over the last axis."""
     return mx.fast.rms_norm(x, weight, eps)
 
 
 def fused_rope(x, offset, theta):
+    """mx.fast.rope rotates the first `dims` channels of x (..., seq, head_dim), here all, as
+    apply_rope() does. traditional=False pairs channel i with i + dims/2 (Hugging Face's layout;
+    True: 2i with 2i + 1). base is theta. scale multiplies positions. offset is the first one."""
     return mx.fast.rope(x, x.shape[-1], traditional=False, base=theta, scale=1.0, offset=offset)
 
 
 def fused_attend(q, k, v):
-    """attend() in one kernel, with the head groups and the causal mask. As in attend(), the last
-    query sees the last key, and a single new token sees every key."""
+    """attend() in one kernel. mx.fast.scaled_dot_product_attention computes softmax(q kᵀ * scale)
+    v for q (1, 16, seq, 128) and k, v (1, 8, total, 128), a K/V head serving its group of query
+    heads. mask="causal" lets query i see keys up to total - seq + i, so the last query sees the
+    last key, as in attend(). mask=None lets each query see every key: the same for a new token."""
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(q.shape[-1]),
                                                 mask="causal" if q.shape[2] > 1 else None)
 
@@ -486,13 +505,26 @@ def use_fused_kernels():
 
 # --- 13. Compilation: fusing element-wise operations into one kernel ------------------------------
 #
-# mx.compile traces a function once, then replays the recorded graph as one call, with element-wise
-# steps fused. silu_gate's sigmoid and two products become one kernel: one pass over the (seq,
-# 3072) activations instead of three. Most other steps are one kernel already, but filter_logits'
-# are many small ones. shapeless=True makes one trace serve every sequence length.
+# Other steps are several kernels too, at section 12's cost. silu_gate(g, u) = g σ(g) u is three
+# (σ and two products), 28 times a step. filter_logits is many small ones.
+# mx.compile(f) returns a function that, at its first call, traces f: it runs f's Python once on
+# stand-in arrays with no values yet (print() of one fails: hence --no-compile), recording the
+# operations as a graph. Later calls replay the graph without f's Python, with chains of
+# element-wise steps fused into one kernel. For one token, silu_gate's 3 kernels read 5 arrays of
+# 3072 numbers and write 3. Fused, one kernel reads g and u and writes the result.
+# A trace serves one input shape, unless shapeless=True. Then it serves every sequence length,
+# which silu_gate's steps do not depend on. An argument that is not an array, such as a Sampling,
+# is a constant of the trace. Its values steer f's Python (filter_logits' `if top_p < 1`), so the
+# graph holds only the steps they chose, and MLX keeps a trace per value. A Sampling also holds
+# the seed, which filter_logits never reads. Left in, each new seed would trace again (a chat
+# draws one per reply), and a seed from 2**63 on fails, as MLX keys traces on signed 64-bit
+# integers. So the seed is set to 0 first: a trace per Sampling, not per seed.
+# The same operations, to rounding, as tests/test_model.py's test_compiled_filter_logits_* and
+# tests/test_cli.py's test_no_cache_and_no_compile_give_the_same_greedy_text check.
+# Try it: `python bench.py --primitives` counts a Compiled... kind per block, not silu_gate's parts.
 
 compiled_silu_gate = mx.compile(silu_gate, shapeless=True)
-traced = mx.compile(filter_logits)  # a trace per Sampling, not per seed
+traced = mx.compile(filter_logits)  # its Sampling's seed is always 0 (above)
 compiled_filter_logits = lambda logits, sampling: traced(logits, sampling._replace(seed=0))
 
 
@@ -1089,22 +1121,24 @@ def main(argv=None):
     prompt = cli.read_prompt(args, group)  # None: a chat's messages come later
     model_dir = cli.find_model(args.model, not args.no_download, MODEL_TYPES)  # or downloads it
     if args.chat:
-        cli.check_chat_template(model_dir)
-    dtype = cli.pick_dtype(args.dtype)
+        cli.check_chat_template(model_dir)  # refuses a template without Qwen3's chat format
+    dtype = cli.pick_dtype(args.dtype)  # --dtype; auto: bfloat16 on a GPU, float32 on a CPU
 
     # Load (section 1), after checks that make a broken file one line.
     stored = cli.check_config(model_dir, MODEL_TYPES, args.quantize)  # how it is stored quantized
     config = with_experts(load_config(model_dir), model_dir)  # MoEConfig: section 21
     config = cli.check_weights(model_dir, config, stored, layer_shapes, has_experts)  # may untie
     n = group.size()
-    cli.check_split(model_dir, config, n, args.quantize, stored, can_split)
+    cli.check_split(model_dir, config, n, args.quantize, stored, can_split)  # splits n ways?
     shares = split_config(config, n)  # this process's share (section 20)
+    # Refuse weights that would not fit in memory. Warn if a 4,096-token KV cache would not.
     cli.check_fit(shares, layer_shapes, dtype, args.quantize, stored, quantizable, has_experts)
-    with cli.reading(model_dir / "tokenizer.json"):
+    with cli.reading(model_dir / "tokenizer.json"):  # a broken file: one line naming it
         tokenizer = load_tokenizer(model_dir)
-    cli.check_tokenizer(tokenizer, config, model_dir)
+    cli.check_tokenizer(tokenizer, config, model_dir)  # no id past the embedding table
     draft = cli.check_draft(args, model_dir, config, load_config, layer_shapes, load_tokenizer,
-                            has_experts)
+                            has_experts)  # --draft-model's (folder, config, quantization) or None
+    # Flags first. What they leave out comes as section 10's Sampling says.
     sampling, min_p, presence_penalty = cli.sampling_settings(
         args, cli.load_generation_config(model_dir), Sampling, group)
 
@@ -1142,7 +1176,7 @@ def main(argv=None):
                              new_reply, group, rounds)
     text = chat_prompt(prompt, args.system, not args.no_think) if args.chat else prompt
     prompt_ids = tokenize(tokenizer, text)
-    cli.check_prompt(prompt_ids, config, max_tokens, args.trace)
+    cli.check_prompt(prompt_ids, config, max_tokens, args.trace)  # in the table and the context
     cli.print_header(args.model, model_dir, config, n, dtype, weights, how, max_tokens, prompt,
                      len(prompt_ids))
     if args.trace:  # section 19
@@ -1154,7 +1188,7 @@ def main(argv=None):
     else:  # section 14, showing a long prefill's progress
         tokens = generate_long(prompt_ids, weights, config, max_tokens, sampling, eos_ids,
                                progress=cli.PREFILL.show)
-    # --top-probs also shows what the first token is drawn from (sections 10, 17)
+    # complete() prints the reply, then statistics. --top-probs shows what token 1 is drawn from.
     drawn = lambda logits: filter_min_p(filter_logits(logits, sampling), min_p)
     return cli.complete(tokens, tokenizer, text_stream, args, len(prompt_ids),
                         drawn if sampling.temperature else None, rounds)
