@@ -17,6 +17,9 @@ program around them is cli.py: checks, download, flags, terminal output. You nee
       10. sample    -> 12095, the id of " Paris"
       11. generate  feed it back in, repeat until an end-of-sequence token
 
+The LM head (language-model head) is the last matrix, (151936, 1024). It turns the last vector
+into logits, one score for each of the vocabulary's 151936 tokens. The higher a token's score, the
+likelier it comes next.
 Shapes are for one sequence, with Qwen3-0.6B's sizes. Attention's arrays lead with a batch of 1.
 MLX is lazy. `y = x @ w` only records the operation in a graph, and the arithmetic runs when a
 value is needed (`print(y)`, `y.item()`, `mx.eval(y)`). generate() (section 11) builds on that.
@@ -28,7 +31,9 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-import cli  # the program around the model. Imported first: on a Linux CPU, it loads OpenBLAS.
+# cli.py, the program around the model, is imported before MLX. On a Linux CPU it loads OpenBLAS,
+# which MLX uses for its float32 matrix products only if loaded first (cli.py's top says why).
+import cli
 import mlx.core as mx
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -38,8 +43,11 @@ from tokenizers.decoders import DecodeStream
 # ================================================================================================
 #
 # Plain functions that write the math out. `python llm_inference.py --reference-ops` runs exactly
-# this code. A plain run swaps in fused kernels and compilation for five of these functions, and
-# quantizing, several processes and min-p swap in others: Part 2 says which, and why.
+# this code, except that a prompt over 1,024 tokens is first prefilled in pieces (section 14).
+# A plain run swaps five of these functions for faster ones that compute the same. MLX's fused
+# kernels do in one step on a GPU what several operations do here (section 12). Compilation
+# merges a function's element-wise steps into one (section 13). Quantizing, several processes and
+# min-p swap in others. Part 2 says which, and why.
 
 # --- 1. Load: the hyper-parameters from config.json, the weights from *.safetensors ---------------
 
@@ -146,7 +154,8 @@ def detokenize(tokenizer, token_ids):
 def text_stream(tokenizer):
     """A function that takes a reply's ids one at a time and returns the text each one completes.
     A piece is bytes, so two tokens can split a character: 🦜 is [123918, 250], each alone "�".
-    DecodeStream keeps such bytes (returning None: "" here) until the token that completes them."""
+    DecodeStream keeps such bytes (returning None: "" here) until the token that completes them.
+    Special tokens, such as the <|im_end|> that ends a reply, print nothing (<think> is not one)."""
     stream = DecodeStream(skip_special_tokens=True)
     return lambda token_id: stream.step(tokenizer, token_id) or ""
 
@@ -192,9 +201,11 @@ def apply_rope(x, offset, theta):
 # RoPE (section 5) puts the positions into queries and keys. A causal mask keeps each position
 # from seeing the ones after it, since the model learns to predict them.
 #
-# Heads look for different things in parallel. Qwen3's grouped-query attention gives its 16 query
-# heads 8 key/value heads, each shared by 2 query heads: half the keys and values to compute and to
-# cache of one K/V head per query head (multi-head attention), at little cost in quality.
+# Heads look for different things in parallel. In multi-head attention, each query head has a
+# key/value (K/V) head of its own. In grouped-query attention, a group of query heads shares one.
+# Say 4 query heads share 2 K/V heads. Then query heads 0 and 1 read K/V head 0, and query heads
+# 2 and 3 read K/V head 1. That halves the keys and values to compute and to cache, at little cost
+# in quality. Qwen3-0.6B's 16 query heads share 8 K/V heads in the same way, 2 to a K/V head.
 
 def linear(x, weight):
     """x @ weight.T, every product with a weight matrix: x (seq, in) -> (seq, out). The checkpoint
@@ -210,8 +221,9 @@ def queries_keys_values(x, layer, config, offset):
     q = linear(x, layer["q_proj"]).reshape(1, seq, c.num_attention_heads, c.head_dim).swapaxes(1, 2)
     k = linear(x, layer["k_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim).swapaxes(1, 2)
     v = linear(x, layer["v_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim).swapaxes(1, 2)
-    # QK-norm, new in Qwen3, RMS-normalises each head's 128 query and key channels, which could
-    # otherwise grow in training until the softmax saturates. Normalise, then rotate, as Qwen3 was
+    # QK-norm RMS-normalises each head's 128 query and key channels, which could otherwise grow in
+    # training until the softmax saturates. It is new to Qwen in Qwen3 (Qwen2 added biases to q, k
+    # and v instead), after ViT-22B, OLMo 2 and Gemma 3. Normalise, then rotate, as Qwen3 was
     # trained: the rotation mixes channels i and i + 64, which have gains of their own.
     q = apply_rope(rms_norm(q, layer["q_norm"], c.rms_norm_eps), offset, c.rope_theta)
     k = apply_rope(rms_norm(k, layer["k_norm"], c.rms_norm_eps), offset, c.rope_theta)
@@ -234,13 +246,13 @@ class KVCache:
         end = self.offset + k.shape[-2]
         capacity = 0 if self.keys is None else self.keys.shape[-2]
         if end > capacity:  # full: add room for a whole number of GROWTH positions
-            room = math.ceil((end - capacity) / self.GROWTH) * self.GROWTH
-            room = (*k.shape[:-2], room, k.shape[-1])  # the shape of the new positions
+            n_added = math.ceil((end - capacity) / self.GROWTH) * self.GROWTH
+            added = (*k.shape[:-2], n_added, k.shape[-1])  # the new positions' shape
             if self.keys is None:  # two arrays, not one shared, as the writes below are in place
-                self.keys, self.values = mx.zeros(room, k.dtype), mx.zeros(room, v.dtype)
+                self.keys, self.values = mx.zeros(added, k.dtype), mx.zeros(added, v.dtype)
             else:
-                self.keys = mx.concatenate([self.keys, mx.zeros(room, k.dtype)], axis=-2)
-                self.values = mx.concatenate([self.values, mx.zeros(room, v.dtype)], axis=-2)
+                self.keys = mx.concatenate([self.keys, mx.zeros(added, k.dtype)], axis=-2)
+                self.values = mx.concatenate([self.values, mx.zeros(added, v.dtype)], axis=-2)
         self.keys[..., self.offset : end, :] = k
         self.values[..., self.offset : end, :] = v
         self.offset = end
@@ -326,8 +338,10 @@ def forward(token_ids, weights, config, cache, last_only=True):
 # --- 10. Sample: pick the next token from the logits ----------------------------------------------
 
 class Sampling(NamedTuple):
-    """Greedy by default. A thinking chat takes generation_config.json's values: temperature 0.6,
-    top-k 20, top-p 0.95. main() also draws a random seed, unless given one."""
+    """Greedy by default. cli.py fills in what no flag sets. --temperature alone also brings
+    generation_config.json's top-k and top-p: 20 and 0.95 for Qwen3 (without the file, 50 and
+    1.0, transformers' defaults). A thinking chat takes all three from it: temperature 0.6, top-k
+    20, top-p 0.95. main() also draws a random seed, unless given one."""
     temperature: float = 0.0  # 0 = greedy: always the most likely token
     top_k: int = 0  # keep the k most likely tokens (0 = all) ...
     top_p: float = 1.0  # ... then the fewest whose probabilities add up to >= top_p (nucleus)
@@ -337,6 +351,7 @@ class Sampling(NamedTuple):
 def filter_logits(logits, sampling):
     """Divide by the temperature. Then set to -inf every token that top-k or top-p rules out, in
     the order Hugging Face transformers applies them."""
+    # float32: bfloat16 keeps 8 significant bits, too few for top-p's running sum of probabilities.
     logits = logits.astype(mx.float32) / sampling.temperature  # < 1 sharpens, > 1 flattens
     top_k, top_p, n_vocab = sampling.top_k, sampling.top_p, len(logits)
     if 0 < top_k < n_vocab:
@@ -377,8 +392,8 @@ def load_eos_ids(model_dir, tokenizer):
     chat turn, and <|endoftext|> (151643), which ends a document, if the tokenizer has them."""
     path = Path(model_dir) / "generation_config.json"
     config = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    listed = config.get("eos_token_id")  # one id or a list: mx.atleast_1d makes both a list
-    ids = set(mx.atleast_1d(mx.array(listed)).tolist()) if listed is not None else set()
+    listed = config.get("eos_token_id")  # one id, a list of them, or null (None, dropped below)
+    ids = set(listed) if isinstance(listed, list) else {listed}
     return (ids | {tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")}) - {None}
 
 
@@ -424,21 +439,23 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 # PART 2: GOING FURTHER (optional sections that build on Part 1)
 # ================================================================================================
 #
-# Some sections change how Part 1 runs. Each replaces Part 1 functions by name, with replace().
-# Python looks a global name up each time it is called. So after replace(rms_norm=fused_rms_norm),
-# every call of rms_norm() in Part 1 runs the kernel, and Part 1 still reads as you read it.
-# main() makes all the replacements, in one block:
+# Some sections change how Part 1 runs, with replace(). replace(rms_norm=fused_rms_norm) makes
+# this module's global name rms_norm stand for fused_rms_norm. Python looks a global name up each
+# time a line that uses it runs. So from then on, every call of rms_norm() in Part 1, such as
+# transformer_block()'s, runs fused_rms_norm, and Part 1 still reads as you read it. A replacement
+# may keep the function it replaces and call it, as section 20's loader calls section 16's. So
+# main() makes them in a set order, all in one block. Names marked (14) are section 14's:
 #   12. fused kernels     rms_norm, apply_rope, attend    unless --reference-ops
 #   13. compilation       silu_gate, filter_logits        unless --reference-ops or --no-compile
 #   16. quantization      load_tensor, linear, embed      --quantize, or a folder stored quantized
 #   17. sampling          sample                          --min-p or --presence-penalty
-#   20. several machines  load_tensor, attention, swiglu  under mlx.launch
+#   20. several machines  load_tensor, attention, swiglu, tokens_per_layer (14)   under mlx.launch
 #   21. experts           layer_shapes, load_tensor, swiglu   a qwen3_moe model
 #   22. speculative       make_cache, generate_long (14)  --draft-model
 
 def replace(**functions):
-    """From now on, calls by these names (Part 1's functions) run the functions given. A misspelt
-    name would replace nothing, so it is refused."""
+    """From now on, calls by these names (Part 1's or section 14's functions) run the functions
+    given. A misspelt name would replace nothing, so it is refused."""
     unknown = set(functions) - set(globals())
     if unknown:
         raise NameError(f"no function {', '.join(sorted(unknown))} to replace")
@@ -447,20 +464,37 @@ def replace(**functions):
 
 # --- 12. Fused kernels: RMSNorm, RoPE and attention in one kernel each ----------------------------
 #
-# Written out (sections 4 to 6), each of these is several MLX operations, each a pass over memory.
-# mx.fast has each as one kernel: one pass on a GPU, the same numbers to rounding.
+# On a GPU, each MLX operation runs as a kernel: a small program that reads its inputs from memory
+# and writes its output back. For a small model on a fast GPU, this cost per kernel, not reading
+# the weights, sets the pace of decoding (docs/performance.md#what-limits-decoding).
+# In bfloat16, rms_norm() is 9 operations: a cast to float32, x², a sum, its division by 1024,
+# + eps, rsqrt, a product, a cast back and the gain. For one token, each of the 9 kernels reads
+# and writes about 1024 numbers. A fused kernel does the 9 steps in one: it reads x and the gain
+# once and writes the result once. A decode step of Qwen3-0.6B normalises 113 times (4 times a
+# block, then the final norm): 113 kernels, not 1,017.
+# mx.fast's fused kernels for RMSNorm, RoPE and attention do Part 1's math, to rounding, as
+# tests/test_ops.py checks both ways against MLX's own layers (test_rms_norm_matches_mlx,
+# test_apply_rope_matches_nn_rope, test_attention_matches_mlx_sdpa). On a CPU, mx.fast runs the
+# same separate operations: docs/performance.md#fused-kernels---reference-ops measures no gain.
+# Try it: on a Mac, compare the decode rate of `python llm_inference.py` and of its --reference-ops.
 
 def fused_rms_norm(x, weight, eps):
+    """mx.fast.rms_norm: rms_norm()'s x / sqrt(mean(x²) + eps) * weight, over the last axis."""
     return mx.fast.rms_norm(x, weight, eps)
 
 
 def fused_rope(x, offset, theta):
+    """mx.fast.rope rotates the first `dims` channels of x (..., seq, head_dim), here all, as
+    apply_rope() does. traditional=False pairs channel i with i + dims/2 (Hugging Face's layout;
+    True: 2i with 2i + 1). base is theta. scale multiplies positions. offset is the first one."""
     return mx.fast.rope(x, x.shape[-1], traditional=False, base=theta, scale=1.0, offset=offset)
 
 
 def fused_attend(q, k, v):
-    """attend() in one kernel, with the head groups and the causal mask. As in attend(), the last
-    query sees the last key, and a single new token sees every key."""
+    """attend() in one kernel. mx.fast.scaled_dot_product_attention computes softmax(q kᵀ * scale)
+    v for q (1, 16, seq, 128) and k, v (1, 8, total, 128), a K/V head serving its group of query
+    heads. mask="causal" lets query i see keys up to total - seq + i, so the last query sees the
+    last key, as in attend(). mask=None lets each query see every key: the same for a new token."""
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(q.shape[-1]),
                                                 mask="causal" if q.shape[2] > 1 else None)
 
@@ -471,13 +505,26 @@ def use_fused_kernels():
 
 # --- 13. Compilation: fusing element-wise operations into one kernel ------------------------------
 #
-# mx.compile traces a function once, then replays the recorded graph as one call, with element-wise
-# steps fused. silu_gate's sigmoid and two products become one kernel: one pass over the (seq,
-# 3072) activations instead of three. Most other steps are one kernel already, but filter_logits'
-# are many small ones. shapeless=True makes one trace serve every sequence length.
+# Other steps are several kernels too, at section 12's cost. silu_gate(g, u) = g σ(g) u is three
+# (σ and two products), 28 times a step. filter_logits is many small ones.
+# mx.compile(f) returns a function that, at its first call, traces f: it runs f's Python once on
+# stand-in arrays with no values yet (print() of one fails: hence --no-compile), recording the
+# operations as a graph. Later calls replay the graph without f's Python, with chains of
+# element-wise steps fused into one kernel. For one token, silu_gate's 3 kernels read 5 arrays of
+# 3072 numbers and write 3. Fused, one kernel reads g and u and writes the result.
+# A trace serves one input shape, unless shapeless=True. Then it serves every sequence length,
+# which silu_gate's steps do not depend on. An argument that is not an array, such as a Sampling,
+# is a constant of the trace. Its values steer f's Python (filter_logits' `if top_p < 1`), so the
+# graph holds only the steps they chose, and MLX keeps a trace per value. A Sampling also holds
+# the seed, which filter_logits never reads. Left in, each new seed would trace again (a chat
+# draws one per reply), and a seed from 2**63 on fails, as MLX keys traces on signed 64-bit
+# integers. So the seed is set to 0 first: a trace per Sampling, not per seed.
+# The same operations, to rounding, as tests/test_model.py's test_compiled_filter_logits_* and
+# tests/test_cli.py's test_no_cache_and_no_compile_give_the_same_greedy_text check.
+# Try it: `python bench.py --primitives` counts a Compiled... kind per block, not silu_gate's parts.
 
 compiled_silu_gate = mx.compile(silu_gate, shapeless=True)
-traced = mx.compile(filter_logits)  # a trace per Sampling, not per seed
+traced = mx.compile(filter_logits)  # its Sampling's seed is always 0 (above)
 compiled_filter_logits = lambda logits, sampling: traced(logits, sampling._replace(seed=0))
 
 
@@ -1105,22 +1152,24 @@ def main(argv=None):
     prompt = cli.read_prompt(args, group)  # None: a chat's messages come later
     model_dir = cli.find_model(args.model, not args.no_download, MODEL_TYPES)  # or downloads it
     if args.chat:
-        cli.check_chat_template(model_dir)
-    dtype = cli.pick_dtype(args.dtype)
+        cli.check_chat_template(model_dir)  # refuses a template without Qwen3's chat format
+    dtype = cli.pick_dtype(args.dtype)  # --dtype; auto: bfloat16 on a GPU, float32 on a CPU
 
     # Load (section 1), after checks that make a broken file one line.
     stored = cli.check_config(model_dir, MODEL_TYPES, args.quantize)  # how it is stored quantized
     config = with_experts(load_config(model_dir), model_dir)  # MoEConfig: section 21
     config = cli.check_weights(model_dir, config, stored, layer_shapes, has_experts)  # may untie
     n = group.size()
-    cli.check_split(model_dir, config, n, args.quantize, stored, can_split)
+    cli.check_split(model_dir, config, n, args.quantize, stored, can_split)  # splits n ways?
     shares = split_config(config, n)  # this process's share (section 20)
+    # Refuse weights that would not fit in memory. Warn if a 4,096-token KV cache would not.
     cli.check_fit(shares, layer_shapes, dtype, args.quantize, stored, quantizable, has_experts)
-    with cli.reading(model_dir / "tokenizer.json"):
+    with cli.reading(model_dir / "tokenizer.json"):  # a broken file: one line naming it
         tokenizer = load_tokenizer(model_dir)
-    cli.check_tokenizer(tokenizer, config, model_dir)
+    cli.check_tokenizer(tokenizer, config, model_dir)  # no id past the embedding table
     draft = cli.check_draft(args, model_dir, config, load_config, layer_shapes, load_tokenizer,
-                            has_experts)
+                            has_experts)  # --draft-model's (folder, config, quantization) or None
+    # Flags first. What they leave out comes as section 10's Sampling says.
     sampling, min_p, presence_penalty = cli.sampling_settings(
         args, cli.load_generation_config(model_dir), Sampling, group)
 
@@ -1158,7 +1207,7 @@ def main(argv=None):
                              new_reply, group, rounds)
     text = chat_prompt(prompt, args.system, not args.no_think) if args.chat else prompt
     prompt_ids = tokenize(tokenizer, text)
-    cli.check_prompt(prompt_ids, config, max_tokens, args.trace)
+    cli.check_prompt(prompt_ids, config, max_tokens, args.trace)  # in the table and the context
     cli.print_header(args.model, model_dir, config, n, dtype, weights, how, max_tokens, prompt,
                      len(prompt_ids))
     if args.trace:  # section 19
@@ -1170,7 +1219,7 @@ def main(argv=None):
     else:  # section 14, showing a long prefill's progress
         tokens = generate_long(prompt_ids, weights, config, max_tokens, sampling, eos_ids,
                                progress=cli.PREFILL.show)
-    # --top-probs also shows what the first token is drawn from (sections 10, 17)
+    # complete() prints the reply, then statistics. --top-probs shows what token 1 is drawn from.
     drawn = lambda logits: filter_min_p(filter_logits(logits, sampling), min_p)
     return cli.complete(tokens, tokenizer, text_stream, args, len(prompt_ids),
                         drawn if sampling.temperature else None, rounds)
