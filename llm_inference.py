@@ -749,11 +749,24 @@ class Chat:
             self.cached_ids = (ids + reply)[:min(c.offset for c in self.cache)]
 
 
-# --- 19. The logit lens: what the model would say after each block (--trace, --top-probs) --------
+# --- 19. The logit lens: what the model would say after each block (--trace) ---------------------
 #
-# Only the final norm and LM head turn the residual stream into logits. Applied after any block,
-# they show what the model would say if it stopped there. With real weights, watch in which block
-# " Paris" takes the lead.
+# forward() shows only its end, the logits after the last block. What each of the 28 blocks does
+# stays hidden. Only the final RMSNorm and LM head turn the residual stream into logits, and a
+# block only adds to that stream (section 8). So, applied after any block, they show what the model
+# would say if it stopped there: the "logit lens". With real weights, watch in which block " Paris"
+# takes the lead.
+#
+# trace() computes, and cli.TracePrinter (`show`) prints, one line a call:
+#   show.step(name, out, what)  block 0's step `name`, the shape and dtype of each array in `out`
+#                               ("(5, 1024) float32"), and `what` it does. It returns `out`.
+#   show.block(i, x, ...)       after block i, the stream's shape and RMS (its size), the lens's
+#                               likeliest token with its probability, and the rank in the lens of
+#                               the final pick (the likeliest token of forward()'s logits)
+# show.lens_intro prints a heading, and show.final the 5 likeliest tokens of the final logits.
+# With the tests' tiny model of 2 blocks, the final pick ranks 39th in block 0's lens, and 1st at
+# 0.846 in block 1's, which is the final answer (docs/experiments.md shows the whole run).
+# Try it: `python llm_inference.py --trace`. It replaces nothing: it calls Part 1's functions.
 
 def logit_lens(x, weights, config):
     """The next-token logits (vocab,) read off the stream x (seq, 1024), as forward() ends."""
@@ -761,8 +774,7 @@ def logit_lens(x, weights, config):
 
 
 def trace(prompt_ids, weights, config, tokenizer, final=None):
-    """--trace: one forward pass, narrated. Block 0 step by step, with shapes. Then, after each
-    block, the stream's RMS, the lens's top token and the final pick's rank."""
+    """--trace: one forward pass over prompt_ids, narrated. final: its logits, if known already."""
     c, ids, cache = config, mx.array(prompt_ids), make_cache(config)
     if final is None:
         final = forward(ids, weights, config, make_cache(config))
@@ -782,7 +794,7 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
     x = show.step("h + swiglu(rms_norm(h))", h + swiglu(n, layer), "feed-forward, added")
     show.lens_intro(pick, tied=weights["lm_head"] is weights["embed_tokens"])
     for i, (layer, layer_cache) in enumerate(zip(weights["layers"], cache)):
-        if i:
+        if i:  # block 0 ran step by step above
             x = transformer_block(x, layer, c, layer_cache)
         probs = mx.softmax(logit_lens(x, weights, c).astype(mx.float32))
         top, rank = mx.argmax(probs).item(), (probs > probs[pick]).sum().item() + 1
