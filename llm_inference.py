@@ -827,11 +827,24 @@ class Chat:
             self.cached_ids = (ids + reply)[:min(c.offset for c in self.cache)]
 
 
-# --- 19. The logit lens: what the model would say after each block (--trace, --top-probs) --------
+# --- 19. The logit lens: what the model would say after each block (--trace) ---------------------
 #
-# Only the final norm and LM head turn the residual stream into logits. Applied after any block,
-# they show what the model would say if it stopped there. With real weights, watch in which block
-# " Paris" takes the lead.
+# forward() shows only its end, the logits after the last block. What each of the 28 blocks does
+# stays hidden. Only the final RMSNorm and LM head turn the residual stream into logits, and a
+# block only adds to that stream (section 8). So, applied after any block, they show what the model
+# would say if it stopped there: the "logit lens". With real weights, watch in which block " Paris"
+# takes the lead.
+#
+# trace() computes, and cli.TracePrinter (`show`) prints, one line a call:
+#   show.step(name, out, what)  block 0's step `name`, the shape and dtype of each array in `out`
+#                               ("(5, 1024) float32"), and `what` it does. It returns `out`.
+#   show.block(i, x, ...)       after block i, the stream's shape and RMS (its size), the lens's
+#                               likeliest token with its probability, and the rank in the lens of
+#                               the final pick (the likeliest token of forward()'s logits)
+# show.lens_intro prints a heading, and show.final the 5 likeliest tokens of the final logits.
+# With the tests' tiny model of 2 blocks, the final pick ranks 39th in block 0's lens, and 1st at
+# 0.846 in block 1's, which is the final answer (docs/experiments.md shows the whole run).
+# Try it: `python llm_inference.py --trace`. It replaces nothing: it calls Part 1's functions.
 
 def logit_lens(x, weights, config):
     """The next-token logits (vocab,) read off the stream x (seq, 1024), as forward() ends."""
@@ -839,8 +852,7 @@ def logit_lens(x, weights, config):
 
 
 def trace(prompt_ids, weights, config, tokenizer, final=None):
-    """--trace: one forward pass, narrated. Block 0 step by step, with shapes. Then, after each
-    block, the stream's RMS, the lens's top token and the final pick's rank."""
+    """--trace: one forward pass over prompt_ids, narrated. final: its logits, if known already."""
     c, ids, cache = config, mx.array(prompt_ids), make_cache(config)
     if final is None:
         final = forward(ids, weights, config, make_cache(config))
@@ -860,7 +872,7 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
     x = show.step("h + swiglu(rms_norm(h))", h + swiglu(n, layer), "feed-forward, added")
     show.lens_intro(pick, tied=weights["lm_head"] is weights["embed_tokens"])
     for i, (layer, layer_cache) in enumerate(zip(weights["layers"], cache)):
-        if i:
+        if i:  # block 0 ran step by step above
             x = transformer_block(x, layer, c, layer_cache)
         probs = mx.softmax(logit_lens(x, weights, c).astype(mx.float32))
         top, rank = mx.argmax(probs).item(), (probs > probs[pick]).sum().item() + 1
@@ -872,25 +884,30 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 # --- 20. Several machines: one model split across processes (tensor parallelism) ------------------
 #
 # Qwen3-32B takes 65.5 GB in bfloat16, more than most Macs have. Split over 2 processes, each holds
-# 34.3 GB, and over 4, 18.7 GB. `mlx.launch` starts this script once per process.
-# mx.distributed.init() connects them over TCP (the default `ring` backend), RDMA over Thunderbolt 5
-# (`jaccl`), or NCCL between CUDA GPUs. The n processes form a *group*, each with a *rank*, 0 to
-# n-1. The one exchange is all_sum(x): each hands in an array of one shape, and gets the sum. Saved
-# as sum.py, these lines run as `mlx.launch -n 2 python sum.py`, and both print 3:
-#     import mlx.core as mx
-#     group = mx.distributed.init()
-#     print(f"process {group.rank()}: {mx.distributed.all_sum(mx.array(group.rank() + 1))}")
+# 34.3 GB, and over 4, 18.7 GB. The price is two exchanges over the link per block, for each token
+# (docs/performance.md#several-processes).
 #
-# y = x Wᵀ, W stored (out, in), splits two ways. By rows (outputs), each process computes its own
-# outputs, with no exchange. By columns (inputs), each multiplies its slice of x by its columns,
-# a partial sum of every output that one all_sum completes. Megatron-LM (y = x A, A = Wᵀ) calls
-# these column-parallel and row-parallel. A block pairs them: each process's outputs of the first
-# are its slice of x for the second.
+# The idea, for one product y = x Wᵀ (section 6's linear(), W stored (out, in)) and 2 processes:
+#   x = [1, 2, 3, 4]    W = [[1, 0, 0, 1],    y = [1+4, 2+3, 1+2, 3+4] = [5, 5, 3, 7]
+#                            [0, 1, 1, 0],
+#                            [1, 1, 0, 0],
+#                            [0, 0, 1, 1]]
+# Split by rows (outputs). Process 0 holds rows 0-1 and the whole x, and computes y0, y1 = [5, 5].
+# Process 1 holds rows 2-3 and computes y2, y3 = [3, 7]. Neither needs the other's numbers.
+# Split by columns (inputs). Process 0 holds columns 0-1 and x0, x1 = [1, 2], and computes
+# 1·[1, 0, 1, 0] + 2·[0, 1, 1, 0] = [1, 2, 3, 0]. Process 1 holds columns 2-3 and x2, x3 = [3, 4],
+# and computes 3·[0, 1, 0, 1] + 4·[1, 0, 0, 1] = [4, 3, 0, 7]. Each holds a part of every output.
+# One exchange adds the parts up, and both get [5, 5, 3, 7].
+# Megatron-LM, which writes y = x A with A = Wᵀ, calls these two splits column- and row-parallel.
+#
+# A block pairs the two splits. A first product split by rows leaves each process a slice of its
+# outputs. That slice is just the input that the process's columns of a second product need. So a
+# pair costs one exchange, after the second product, and a block is two pairs:
 #
 #   x -> rms_norm -> q, k, v (its heads) -> attend -> o_proj (its columns) -> all_sum -> + x = h
 #   h -> rms_norm -> gate, up (its units) -> silu_gate -> down_proj (its columns) -> all_sum -> + h
 #
-# Heads attend alone, so each process computes and caches its own heads' keys and values.
+# A head attends on its own, so each process computes and caches only its heads' keys and values.
 # silu_gate works unit by unit, so the feed-forward units split too. Process 0 of 2 holds:
 #   q_proj (1024, 1024)         rows 0-1023 of (2048, 1024): query heads 0-7 of 16
 #   k_proj, v_proj (512, 1024)  rows 0-511 of (1024, 1024): key/value heads 0-3 of 8
@@ -898,8 +915,26 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 #   gate_proj, up_proj (1536, 1024), down_proj (1024, 1536): units 0-1535 of 3072
 #   whole copies: embed_tokens (151936, 1024), also the LM head, and every norm
 # That is 0.75 GB of Qwen3-0.6B in bfloat16, not half of 1.19 GB: the embedding table is much of it.
-# All sample with one seed from equal logits, so all pick the same token. Only process 0 reads the
-# input and prints (cli.join).
+#
+# In MLX, `mlx.launch` starts this script once per process. In each, mx.distributed.init() (in
+# main()) connects them over TCP (the default `ring` backend), RDMA over Thunderbolt 5 (`jaccl`), or
+# NCCL between CUDA GPUs. It returns their *group*: group.size() processes, each with its *rank*,
+# group.rank(), from 0 to size - 1. Run alone, the group has one process.
+# mx.distributed.all_sum(x, group=group) is the exchange. Each process hands in an array of the
+# same shape, and gets back the element-wise sum over all processes, of that shape. Saved as
+# sum.py, these lines run as `mlx.launch -n 2 python sum.py`, and both processes print 3:
+#     import mlx.core as mx
+#     group = mx.distributed.init()
+#     print(f"process {group.rank()}: {mx.distributed.all_sum(mx.array(group.rank() + 1))}")
+# All draw with one seed from equal logits, so all pick the same token. Process 0 alone prints it.
+#
+# Try it: `mlx.launch -n 2 python llm_inference.py --trace`. Block 0's queries show 8 heads, not
+# 16, and `x + attention` is whole again, (5, 1024): the all_sum added the heads' parts up.
+# It replaces Part 1's load_tensor (to keep a process's rows or columns), attention and swiglu (to
+# all_sum their outputs), and section 14's tokens_per_layer (below). That is safe. Each output
+# sums the same products, in another order, so it is the same to rounding. In
+# tests/test_distributed.py, test_logits_match_mlx_lms_sharded_model and
+# test_two_processes_write_what_one_writes check it against mlx-lm and against one process.
 #
 # Each all_sum is a round trip over the link, 56 per token for Qwen3-0.6B's 28 blocks. Over TCP,
 # that made a split model decode many times slower (docs/performance.md). With RDMA's microseconds,
@@ -931,22 +966,32 @@ def can_split(config, n, group_size=None):
 
 
 def use_tensor_parallelism(group):
-    """Replaces load_tensor (to keep this process's share), attention and swiglu (to add up
-    partial outputs), and tokens_per_layer (process 0's count, section 14)."""
-    load_whole, n, rank = load_tensor, group.size(), group.rank()  # section 16's, if quantizing
+    """Replaces load_tensor, attention, swiglu and tokens_per_layer, as said above."""
+    load_whole = load_tensor  # section 16's or 21's, if they replaced it already
+    n = group.size()
+    rank = group.rank()  # this process, 0 to n - 1
 
     def load_share(tensors, name, dtype):
-        weight, kind = load_whole(tensors, name, dtype), name.split(".")[-2]
-        axis = -2 if kind in SPLIT_ROWS else -1 if kind in SPLIT_COLUMNS else None  # stacks too
+        weight = load_whole(tensors, name, dtype)
+        kind = name.split(".")[-2]  # "q_proj" for model.layers.0.self_attn.q_proj.weight
+        # Rows are axis -2 of (out, in), and columns axis -1, also in experts' (128, out, in).
+        axis = -2 if kind in SPLIT_ROWS else -1 if kind in SPLIT_COLUMNS else None
         if axis is None:
             return weight
-        # Contiguous copies: slices would keep the whole matrices alive.
+        # mx.split cuts an array into n equal parts along axis. This process keeps part `rank`, as
+        # a contiguous copy: a slice would keep the whole matrix alive. A Quantized matrix's packed
+        # integers, scales and biases split alike (can_split keeps its groups whole).
         parts = [mx.contiguous(mx.split(part, n, axis=axis)[rank])
                  for part in (weight[:3] if isinstance(weight, Quantized) else [weight])]
         mx.eval(parts)
         return Quantized(*parts, *weight[3:]) if isinstance(weight, Quantized) else parts[0]
 
+    # attention's and swiglu's outputs, (seq, 1024) parts of sums, each made whole by one all_sum.
     summed = lambda function: lambda *args: mx.distributed.all_sum(function(*args), group=group)
+    # Section 14 sizes each piece of a prompt by how long the last took on this process's clock.
+    # But each all_sum must meet arrays of one shape in every process, or it sums wrong or loses
+    # the connection. So all cut a prompt alike, by process 0's measure. Each hands in its measure
+    # times (rank == 0), True (1) on process 0 only. The sum that all get is process 0's measure.
     pace = tokens_per_layer  # each process times its own pieces, but all cut a prompt alike
     first = lambda *args: mx.distributed.all_sum(pace(*args) * (rank == 0), group=group).item()
     replace(load_tensor=load_share, attention=summed(attention), swiglu=summed(swiglu),
