@@ -1024,6 +1024,8 @@ def use_speculative(draft, k, min_p=0.0):
         next(prefill_long(prompt_ids, *draft, 1, cache=drafter))  # the draft's prefill
         _, logits = next(prefill_long(prompt_ids, weights, config, 1, cache=target,
                                       progress=progress))
+        if max_tokens < 1:  # as generate(): the prompt prefilled, no token out
+            return
         key, pick = mx.random.split(mx.random.key(sampling.seed))  # as in generate()
         new, unread, n_out = [(sample(logits, sampling, pick).item(), logits)], [], 0
         while True:
