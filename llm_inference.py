@@ -877,13 +877,42 @@ def use_tensor_parallelism(group):
 
 # --- 21. Mixture of experts: each token through 8 of 128 feed-forwards (Qwen3-30B-A3B) -----------
 #
-# Qwen3-30B-A3B (hidden_size 2048) trades a block's SwiGLU (section 7) for 128 smaller ones,
-# "experts" of 768 units, and a router, a (128, 2048) matrix stored as mlp.gate. For each token,
-# softmax(x @ router.T) gives each expert a probability. The token goes through its 8 likeliest
-# experts, whose outputs are added up, weighted by those probabilities. So a token reads about 3 B
-# parameters, a small model's. But the next token may pick any expert, so all 30.5 B stay in
-# memory. To be fast in MLX, each projection's experts are stacked, (128, 768, 2048) for gate_proj,
-# and mx.gather_mm multiplies each token by the experts it picked, in one operation.
+# The problem. A dense model reads all its weights for each token. Qwen3-30B-A3B (hidden_size 2048)
+# holds 30.5 B parameters, but a token reads only about 3.3 B of them, as a 3B model would (its
+# speed: docs/performance.md#mixture-of-experts-qwen3-30b-a3bs-shape).
+#
+# The idea. A block's SwiGLU (section 7) becomes 128 smaller ones, "experts" of 768 units, and a
+# router, a (128, 2048) matrix: x @ router.T scores each expert for the token x. The token goes
+# through its 8 best-scored experts only. Their outputs are added up, weighted by the softmax of the
+# scores. With norm_topk_prob (true in Qwen3-30B-A3B), the 8 weights are rescaled to add up to 1.
+# The next token may pick any expert, so all 128 stay in memory.
+# By hand, with 4 experts and 2 per token: one token scores [0, 1.79, 0, 0.69] (ln 1, ln 6, ln 1,
+# ln 2). The softmax is [1, 6, 1, 2] / 10 = [0.1, 0.6, 0.1, 0.2]. Experts 1 and 3 win, weighted 0.6
+# and 0.2. With norm_topk_prob, 0.6 / 0.8 = 0.75 and 0.2 / 0.8 = 0.25, the softmax of their two
+# scores alone ([6, 2] / 8). The output is 0.75 * expert_1(x) + 0.25 * expert_3(x).
+# A trap in the names: the checkpoint stores the router as mlp.gate.weight, beside each expert's
+# mlp.experts.{e}.gate_proj.weight. So a block's layer["gate"] is its router, not SwiGLU's gate.
+#
+# The experts in one operation. Each projection's experts are stacked: gate_proj's (128, 768, 2048).
+# mx.gather_mm(a, b, rhs_indices=chosen) multiplies each (1, in) row of a by the matrix of b that
+# chosen names, copying none: out[t, j] = a[t, 0] @ b[chosen[t, j]]. a's leading axes broadcast
+# against chosen's shape, as in NumPy. So x as (seq, 1, 1, 2048), times the stack as (128, 2048,
+# 768) at the (seq, 8) picks, gives (seq, 8, 1, 768). mx.gather_qmm does this for a Quantized stack.
+# A prompt has many (token, expert) pairs. Sorted by expert, the pairs that share an expert sit side
+# by side. sorted_indices=True tells a GPU kernel so. MLX's Metal and CUDA kernels then multiply a
+# run of such rows by their expert's matrix at once, reading it once, not once per row.
+# The sort is a permutation of the pairs, and argsort of it is the inverse. For 2 tokens, 2 picks
+# of 4 experts: picks [[3, 1], [0, 2]] flatten to [3, 1, 0, 2] (pair i is token i // 2's). order =
+# argsort([3, 1, 0, 2]) = [2, 1, 3, 0] lists the pairs by expert, order // 2 = [1, 0, 1, 0] their
+# tokens. argsort(order) = [3, 1, 0, 2] is where each pair went (pair 0 to row 3, pair 2 to row 0).
+#
+# Try it: `python llm_inference.py --model Qwen/Qwen3-30B-A3B --quantize 4` (17.6 GB: the README's
+# table). The page linked above writes a small random mixture in one line, for bench.py.
+#
+# It replaces layer_shapes, load_tensor and swiglu, for a qwen3_moe model only (use_experts below).
+# A dense block still runs Part 1's swiglu. tests/test_moe.py checks the logits against transformers
+# and mlx-lm (test_logits_and_greedy_tokens_match_transformers_and_mlx_lm), and the mixture, sorted
+# or not, against a loop over each token's experts: test_mixture_is_a_loop_over_each_tokens_experts.
 
 MOE_FIELDS = {  # config.json's fields for experts (Qwen3-30B-A3B's values)
     "num_experts": int,  # 128 experts in a block ...
@@ -913,7 +942,9 @@ def route(x, router, k, norm_topk_prob):
     the scores' order, so the likeliest are the best-scored. Their probabilities rescaled to add up
     to 1 are the softmax of their scores alone."""
     scores = linear(x, router)  # (seq, 128)
-    chosen = mx.argpartition(scores, -k, axis=-1)[:, -k:]  # the 8 best, in no order
+    # mx.argpartition: each row's indices, reordered so that the k largest scores' come last.
+    chosen = mx.argpartition(scores, -k, axis=-1)[:, -k:]  # (seq, 8) expert ids
+    # mx.take_along_axis(a, chosen, axis=-1)[t, j] is a[t, chosen[t, j]]: (seq, 128) -> (seq, 8).
     if norm_topk_prob:  # precise: the softmax in float32
         return chosen, mx.softmax(mx.take_along_axis(scores, chosen, axis=-1), -1, precise=True)
     probs = mx.softmax(scores, axis=-1, precise=True)
@@ -922,14 +953,15 @@ def route(x, router, k, norm_topk_prob):
 
 def mixture(x, layer, k, norm_topk_prob):
     """swiglu() with experts: x (seq, 2048) -> each token's experts' SwiGLUs, weighted, summed."""
-    chosen, weights = route(x, layer["gate"], k, norm_topk_prob)  # (seq, 8)
-    x = x[:, None, None, :]  # (seq, 1, 1, 2048): a row for each token, shared by its 8 experts
-    # From 64 (token, expert) pairs on, they are sorted by expert, as mlx-lm does, so that each
-    # expert's matrix meets its tokens together (measured: docs/performance.md).
+    router = layer["gate"]  # mlp.gate.weight (128, 2048), the router: not gate_proj
+    chosen, weights = route(x, router, k, norm_topk_prob)  # (seq, 8) each
+    x = x[:, None, None, :]  # (seq, 1, 1, 2048): a (1, 2048) row per token, for its 8 experts
+    # Sort from 64 pairs on, as mlx-lm does: a prompt, not a decoded token (docs/performance.md).
     by_expert = chosen.size >= 64
     if by_expert:
-        order = mx.argsort(chosen.flatten())  # (seq x 8,)
-        x, chosen = x[order // k, 0], chosen.flatten()[order]  # (seq x 8, 1, 2048), (seq x 8,)
+        order = mx.argsort(chosen.flatten())  # (seq x 8,): the pairs, by expert
+        x = x[order // k, 0]  # (seq x 8, 1, 2048): each sorted pair's token
+        chosen = chosen.flatten()[order]  # (seq x 8,): its expert
 
     def product(x, w):  # linear() with each token's experts: (..., 1, in) -> (..., 1, out)
         if isinstance(w, Quantized):
@@ -937,10 +969,11 @@ def mixture(x, layer, k, norm_topk_prob):
                                  group_size=w.group_size, sorted_indices=by_expert)
         return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=chosen, sorted_indices=by_expert)
 
-    gate, up = product(x, layer["gate_proj"]), product(x, layer["up_proj"])  # (seq, 8, 1, 768)
-    y = product(silu_gate(gate, up), layer["down_proj"])  # (seq, 8, 1, 2048), sorted (seq x 8, ...)
-    if by_expert:  # back in token order
-        y = y[mx.argsort(order)].reshape(-1, k, 1, y.shape[-1])
+    gate = product(x, layer["gate_proj"])  # (seq, 8, 1, 768), or sorted (seq x 8, 1, 768)
+    up = product(x, layer["up_proj"])
+    y = product(silu_gate(gate, up), layer["down_proj"])  # (seq, 8, 1, 2048), or sorted
+    if by_expert:  # the inverse permutation: back in token order
+        y = y[mx.argsort(order)].reshape(-1, k, 1, y.shape[-1])  # (seq, 8, 1, 2048)
     return (weights[:, None, :] @ y[:, :, 0])[:, 0]  # (seq, 1, 8) @ (seq, 8, 2048): weighted sum
 
 
@@ -952,6 +985,8 @@ def use_experts(config, bits=None):
     def load_stacked(tensors, name, dtype):
         *block, kind, _ = name.split(".")  # model, layers, {i}, mlp; gate_proj; weight
         if block[3:] != ["mlp"] or not has_experts(config, int(block[2])):
+            # with_router (below) lists a router in every block, but a dense block has none in
+            # the file. None marks the block dense, for `either` (below).
             return None if kind == "gate" else load_one(tensors, name, dtype)
         block = ".".join(block)
         if kind == "gate" and bits and f"{block}.gate.scales" not in tensors:  # the router
@@ -965,11 +1000,11 @@ def use_experts(config, bits=None):
         # gate_proj's stack: (128, 768, 2048). load_one computes it now, which frees its parts.
         return load_one(tensors, name if kind == "gate" else stacked, dtype)
 
-    router = lambda c: shapes(c) | {"mlp.gate.weight": (config.num_experts, c.hidden_size)}
-    # A dense block's "gate" is None, and a draft's blocks (section 22) have none.
+    with_router = lambda c: shapes(c) | {"mlp.gate.weight": (config.num_experts, c.hidden_size)}
+    # A dense block's "gate" is None, and a draft's blocks (section 22) have none: Part 1's swiglu.
     either = lambda x, layer: dense(x, layer) if layer.get("gate") is None else mixture(
         x, layer, config.num_experts_per_tok, config.norm_topk_prob)
-    replace(layer_shapes=router, load_tensor=load_stacked, swiglu=either)
+    replace(layer_shapes=with_router, load_tensor=load_stacked, swiglu=either)
 
 
 # --- 22. Speculative decoding: a small model drafts, the large one checks (--draft-model) --------
