@@ -1009,19 +1009,53 @@ def use_experts(config, bits=None):
 
 # --- 22. Speculative decoding: a small model drafts, the large one checks (--draft-model) --------
 #
-# Where reading the weights limits decoding (section 16), a pass over a few positions costs about
-# what a pass over one does. So a small draft model with the same tokenizer (Qwen3-0.6B for
-# Qwen3-8B) proposes k tokens, and the target checks them in one pass (Leviathan et al. 2023; Chen
-# et al. 2023). A round, for k = 4:
-#   1. draft      the draft draws d1 ... d4 after the last token t, from q          (4, vocab)
+# The problem. Where reading the weights limits decoding (section 16), generate() reads all of them
+# for each token. Yet a pass over a few positions costs little more than a pass over one
+# (docs/performance.md#speculative-decoding---draft-model).
+#
+# The idea (Leviathan et al. 2023; Chen et al. 2023). A small draft model with the same tokenizer
+# (Qwen3-0.6B for Qwen3-8B) proposes k tokens. The target checks them all in one pass, keeps some,
+# and adds one of its own. One cache list holds both models: the target's layers, then the draft's
+# (make_cache below). So Chat (section 18), which sets `offset` on each layer, rolls back both.
+# A round, for k = 4, after t, the last token out:
+#   1. draft      the draft reads t (first d4 of the round before, if all passed), then draws
+#                 d1 ... d4 from its distribution q, reading each but d4 in turn     (4, vocab)
 #   2. verify     the target's forward([t, d1, ..., d4], last_only=False) gives p    (5, vocab)
 #   3. accept     each d in turn with probability min(1, p(d) / q(d)), up to the first rejection.
 #                 There the target draws from max(0, p − q), normalised (after d4: from p).
 #   4. roll back  both caches forget the rejected positions: `offset` moves back, nothing is copied
-# Token x then comes out as likely as in the target's own draw: min(p(x), q(x)) as a proposal, the
-# rest from the residual. Greedy, p and q are one-hot, so the text is the target's (to rounding: a
-# pass over 5 positions may round unlike 5 passes). mlx-lm keeps a proposal when the target's own
-# draw agrees: also exact, but it accepts Σ p·q, not Σ min(p, q) (docs/performance.md).
+#
+# Why each token is as likely as in the target's own draw. At one position, the draft proposes x
+# with probability q(x) and it passes with min(1, p(x) / q(x)). So P(accept x) = min(p(x), q(x)).
+# For each token, p = min(p, q) + max(0, p − q). So P(reject) = 1 − Σ min(p, q) =
+# Σ max(0, p − q), which is also the residual's normaliser. A rejection then yields x with
+# probability max(0, p(x) − q(x)), and in all:
+#   P(x) = min(p, q) + max(0, p − q) = p(x)
+# With 3 words, p = (0.5, 0.3, 0.2) and q = (0.3, 0.2, 0.5): min(p, q) = (0.3, 0.2, 0.2) passes,
+# 0.7 in all. The 0.3 rejected draws from max(0, p − q) = (0.2, 0.1, 0), normalised (2/3, 1/3, 0).
+# P = (0.3 + 0.3 · 2/3, 0.2 + 0.3 · 1/3, 0.2 + 0) = (0.5, 0.3, 0.2) = p.
+# p and q must be the filtered distributions, the ones sample() draws from (filter_logits, min-p).
+# The proof needs q to be what the draft truly drew from, and p what the target's own draw would
+# use. Raw softmaxes would bring back the tokens that top-k and top-p removed.
+# A rejection at d_i ends the round: the later proposals and p were computed after d_i, now not in
+# the text. So each token out is drawn from p given the tokens truly before it, as in the target's
+# own run. After all k pass, p's last row (after dk) gives one more token: the residual there is p.
+# Greedy, p and q are one-hot: a proposal passes if it is the target's argmax, else that argmax
+# replaces it. The text is the target's, to rounding (a pass over 5 positions may round unlike 5).
+# mlx-lm does step 3 another way. It draws the target's own token at each position, and keeps the
+# proposal only if the two are the same. That is exact too. But two draws agree with probability
+# Σ p·q, which is at most Σ min(p, q). For p = q = (0.5, 0.5), it keeps half the proposals, and
+# this rule all (measured: the page linked above).
+#
+# Try it: `python llm_inference.py --model Qwen/Qwen3-8B --draft-model Qwen/Qwen3-0.6B`. Its last
+# line counts the proposals accepted and the tokens per pass of the target.
+#
+# It replaces make_cache (section 6) and generate_long (section 14), whose prefill it reuses.
+# tests/test_speculative.py checks that greedy, the tokens are the target's
+# (test_greedy_the_tokens_are_the_targets_whatever_the_draft), that sampled, each follows p
+# (test_sampled_each_token_is_distributed_as_the_targets_draw), though a seed draws other tokens
+# than without a draft, and that rejected proposals leave nothing in either cache
+# (test_after_rejections_both_caches_hold_what_a_plain_run_holds).
 
 def distribution(logits, sampling, min_p=0.0):
     """What sample() draws from, per row (rows, vocab), no presence penalty (cli.py refuses one)."""
@@ -1031,11 +1065,17 @@ def distribution(logits, sampling, min_p=0.0):
 
 def verify(p, q, proposals, test_key, draw_key):
     """Step 3 for p (k + 1, vocab), q (k, vocab) and the k proposals: which pass (k,), and at each
-    position a draw from max(0, p − q) (k + 1,). Leading axes, if any, are rounds."""
+    position a draw from max(0, p − q) (k + 1,). (tests/test_speculative.py passes 20,000 rounds at
+    once, on a leading axis: hence the `...`.)"""
+    # at(q)[i] = q_i(d_i): each row's probability of its own proposal (take_along_axis: 21).
     at = lambda probs: mx.take_along_axis(probs, proposals[..., None], axis=-1)[..., 0]
+    # mx.random.uniform: numbers spread evenly over [0, 1). u < p(d) / q(d) has probability
+    # min(1, p(d) / q(d)). q(d) > 0, as d was drawn from q.
     passed = mx.random.uniform(shape=proposals.shape, key=test_key) * at(q) < at(p[..., :-1, :])
+    # After dk, q is 0 (no proposal), so the residual is p.
     residual = mx.maximum(p - mx.concatenate([q, mx.zeros_like(q[..., :1, :])], axis=-2), 0)
-    return passed, mx.random.categorical(mx.log(residual), key=draw_key)  # normalises it
+    # log(residual) as logits: their softmax is residual / Σ residual. log 0 = -inf: never drawn.
+    return passed, mx.random.categorical(mx.log(residual), key=draw_key)
 
 
 def load_draft(folder, config, stored, dtype, bits):
@@ -1047,8 +1087,7 @@ def load_draft(folder, config, stored, dtype, bits):
 
 
 def use_speculative(draft, k, min_p=0.0):
-    """Replaces make_cache (the target's layers, then the draft's, so that a chat rolls back both)
-    and generate_long (14). Returns the last run's (accepted, proposed) per round."""
+    """Replaces make_cache and generate_long (14). Returns the last run's (accepted, k) a round."""
     one_cache, prefill_long, rounds = make_cache, generate_long, []
 
     def generate_drafted(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
@@ -1062,21 +1101,25 @@ def use_speculative(draft, k, min_p=0.0):
         if max_tokens < 1:  # as generate(): the prompt prefilled, no token out
             return
         key, pick = mx.random.split(mx.random.key(sampling.seed))  # as in generate()
-        new, unread, n_out = [(sample(logits, sampling, pick).item(), logits)], [], 0
+        new = [(sample(logits, sampling, pick).item(), logits)]  # tokens to yield, with logits
+        n_out = 0  # tokens yielded
+        unread = []  # besides t, what the draft has not read: dk, after a round that kept all
         while True:
-            for token, logits in new:  # `token` stays the last one yielded
+            for token, logits in new:  # `token` stays the last one yielded: t
                 yield token, logits
                 n_out += 1
                 if token in eos_ids or n_out == max_tokens:
                     return
-            x, proposals, drafted = mx.array(unread + [token]), [], []  # 1. draft, what it lacks
+            x = mx.array(unread + [token])  # 1. draft: read what it has not, then draw
+            proposals, drafted = [], []  # d1 ... dk (1,) each, and their logits (vocab,) each
             for _ in range(k):
                 drafted.append(forward(x, *draft, drafter))  # (vocab,)
                 key, pick = mx.random.split(key) if sampling.temperature else (key, key)
                 x = sample(drafted[-1], sampling, pick)[None]  # (1,), from q
                 mx.async_eval(x)  # computed while the next is recorded
                 proposals.append(x)
-            start, proposals = target[0].offset, mx.concatenate(proposals)  # (k,)
+            start = target[0].offset  # t's position
+            proposals = mx.concatenate(proposals)  # (k,)
             logits = forward(mx.concatenate([mx.array([token]), proposals]), weights, config,
                              target, last_only=False)  # 2. verify: (k + 1, vocab)
             mx.async_eval(logits)  # runs while the rest is recorded
@@ -1084,13 +1127,18 @@ def use_speculative(draft, k, min_p=0.0):
                 passed, extra = logits[:k].argmax(-1) == proposals, logits.argmax(-1)
             else:
                 probs = distribution(mx.concatenate([logits, mx.stack(drafted)]), sampling, min_p)
-                key, *keys = mx.random.split(key, 3)  # probs: p, then q
-                passed, extra = verify(probs[: k + 1], probs[k + 1 :], proposals, *keys)
+                key, *keys = mx.random.split(key, 3)  # 3 keys: one kept, one to test, one to draw
+                passed, extra = verify(probs[: k + 1], probs[k + 1 :], proposals, *keys)  # p, q
             mx.eval(passed, extra)
-            n, proposals = (passed.tolist() + [False]).index(False), proposals.tolist()
-            for layer_cache in cache:  # 4. roll back to t, d1 ... dn (the draft read to d(k-1))
+            n = (passed.tolist() + [False]).index(False)  # proposals before the first failure
+            proposals = proposals.tolist()
+            # 4. roll back to t, d1 ... dn: offset start + 1 + n. If n = k, the draft keeps its
+            # start + k, as it read only up to d(k-1).
+            for layer_cache in cache:
                 layer_cache.offset = min(layer_cache.offset, start + 1 + n)
-            unread = proposals[-1:] if n == k else []  # all passed: the draft never read dk
+            # Reading dk would take a draft pass, wasted whenever a proposal fails. So when all
+            # pass, the next round's step 1 reads it.
+            unread = proposals[-1:] if n == k else []
             rounds.append((n, k))
             new = list(zip(proposals[:n] + [extra.tolist()[n]], logits))
 
