@@ -1000,13 +1000,42 @@ def use_tensor_parallelism(group):
 
 # --- 21. Mixture of experts: each token through 8 of 128 feed-forwards (Qwen3-30B-A3B) -----------
 #
-# Qwen3-30B-A3B (hidden_size 2048) trades a block's SwiGLU (section 7) for 128 smaller ones,
-# "experts" of 768 units, and a router, a (128, 2048) matrix stored as mlp.gate. For each token,
-# softmax(x @ router.T) gives each expert a probability. The token goes through its 8 likeliest
-# experts, whose outputs are added up, weighted by those probabilities. So a token reads about 3 B
-# parameters, a small model's. But the next token may pick any expert, so all 30.5 B stay in
-# memory. To be fast in MLX, each projection's experts are stacked, (128, 768, 2048) for gate_proj,
-# and mx.gather_mm multiplies each token by the experts it picked, in one operation.
+# The problem. A dense model reads all its weights for each token. Qwen3-30B-A3B (hidden_size 2048)
+# holds 30.5 B parameters, but a token reads only about 3.3 B of them, as a 3B model would (its
+# speed: docs/performance.md#mixture-of-experts-qwen3-30b-a3bs-shape).
+#
+# The idea. A block's SwiGLU (section 7) becomes 128 smaller ones, "experts" of 768 units, and a
+# router, a (128, 2048) matrix: x @ router.T scores each expert for the token x. The token goes
+# through its 8 best-scored experts only. Their outputs are added up, weighted by the softmax of the
+# scores. With norm_topk_prob (true in Qwen3-30B-A3B), the 8 weights are rescaled to add up to 1.
+# The next token may pick any expert, so all 128 stay in memory.
+# By hand, with 4 experts and 2 per token: one token scores [0, 1.79, 0, 0.69] (ln 1, ln 6, ln 1,
+# ln 2). The softmax is [1, 6, 1, 2] / 10 = [0.1, 0.6, 0.1, 0.2]. Experts 1 and 3 win, weighted 0.6
+# and 0.2. With norm_topk_prob, 0.6 / 0.8 = 0.75 and 0.2 / 0.8 = 0.25, the softmax of their two
+# scores alone ([6, 2] / 8). The output is 0.75 * expert_1(x) + 0.25 * expert_3(x).
+# A trap in the names: the checkpoint stores the router as mlp.gate.weight, beside each expert's
+# mlp.experts.{e}.gate_proj.weight. So a block's layer["gate"] is its router, not SwiGLU's gate.
+#
+# The experts in one operation. Each projection's experts are stacked: gate_proj's (128, 768, 2048).
+# mx.gather_mm(a, b, rhs_indices=chosen) multiplies each (1, in) row of a by the matrix of b that
+# chosen names, copying none: out[t, j] = a[t, 0] @ b[chosen[t, j]]. a's leading axes broadcast
+# against chosen's shape, as in NumPy. So x as (seq, 1, 1, 2048), times the stack as (128, 2048,
+# 768) at the (seq, 8) picks, gives (seq, 8, 1, 768). mx.gather_qmm does this for a Quantized stack.
+# A prompt has many (token, expert) pairs. Sorted by expert, the pairs that share an expert sit side
+# by side. sorted_indices=True tells a GPU kernel so. MLX's Metal and CUDA kernels then multiply a
+# run of such rows by their expert's matrix at once, reading it once, not once per row.
+# The sort is a permutation of the pairs, and argsort of it is the inverse. For 2 tokens, 2 picks
+# of 4 experts: picks [[3, 1], [0, 2]] flatten to [3, 1, 0, 2] (pair i is token i // 2's). order =
+# argsort([3, 1, 0, 2]) = [2, 1, 3, 0] lists the pairs by expert, order // 2 = [1, 0, 1, 0] their
+# tokens. argsort(order) = [3, 1, 0, 2] is where each pair went (pair 0 to row 3, pair 2 to row 0).
+#
+# Try it: `python llm_inference.py --model Qwen/Qwen3-30B-A3B --quantize 4` (17.6 GB: the README's
+# table). The page linked above writes a small random mixture in one line, for bench.py.
+#
+# It replaces layer_shapes, load_tensor and swiglu, for a qwen3_moe model only (use_experts below).
+# A dense block still runs Part 1's swiglu. tests/test_moe.py checks the logits against transformers
+# and mlx-lm (test_logits_and_greedy_tokens_match_transformers_and_mlx_lm), and the mixture, sorted
+# or not, against a loop over each token's experts: test_mixture_is_a_loop_over_each_tokens_experts.
 
 MOE_FIELDS = {  # config.json's fields for experts (Qwen3-30B-A3B's values)
     "num_experts": int,  # 128 experts in a block ...
@@ -1036,7 +1065,9 @@ def route(x, router, k, norm_topk_prob):
     the scores' order, so the likeliest are the best-scored. Their probabilities rescaled to add up
     to 1 are the softmax of their scores alone."""
     scores = linear(x, router)  # (seq, 128)
-    chosen = mx.argpartition(scores, -k, axis=-1)[:, -k:]  # the 8 best, in no order
+    # mx.argpartition: each row's indices, reordered so that the k largest scores' come last.
+    chosen = mx.argpartition(scores, -k, axis=-1)[:, -k:]  # (seq, 8) expert ids
+    # mx.take_along_axis(a, chosen, axis=-1)[t, j] is a[t, chosen[t, j]]: (seq, 128) -> (seq, 8).
     if norm_topk_prob:  # precise: the softmax in float32
         return chosen, mx.softmax(mx.take_along_axis(scores, chosen, axis=-1), -1, precise=True)
     probs = mx.softmax(scores, axis=-1, precise=True)
@@ -1045,14 +1076,15 @@ def route(x, router, k, norm_topk_prob):
 
 def mixture(x, layer, k, norm_topk_prob):
     """swiglu() with experts: x (seq, 2048) -> each token's experts' SwiGLUs, weighted, summed."""
-    chosen, weights = route(x, layer["gate"], k, norm_topk_prob)  # (seq, 8)
-    x = x[:, None, None, :]  # (seq, 1, 1, 2048): a row for each token, shared by its 8 experts
-    # From 64 (token, expert) pairs on, they are sorted by expert, as mlx-lm does, so that each
-    # expert's matrix meets its tokens together (measured: docs/performance.md).
+    router = layer["gate"]  # mlp.gate.weight (128, 2048), the router: not gate_proj
+    chosen, weights = route(x, router, k, norm_topk_prob)  # (seq, 8) each
+    x = x[:, None, None, :]  # (seq, 1, 1, 2048): a (1, 2048) row per token, for its 8 experts
+    # Sort from 64 pairs on, as mlx-lm does: a prompt, not a decoded token (docs/performance.md).
     by_expert = chosen.size >= 64
     if by_expert:
-        order = mx.argsort(chosen.flatten())  # (seq x 8,)
-        x, chosen = x[order // k, 0], chosen.flatten()[order]  # (seq x 8, 1, 2048), (seq x 8,)
+        order = mx.argsort(chosen.flatten())  # (seq x 8,): the pairs, by expert
+        x = x[order // k, 0]  # (seq x 8, 1, 2048): each sorted pair's token
+        chosen = chosen.flatten()[order]  # (seq x 8,): its expert
 
     def product(x, w):  # linear() with each token's experts: (..., 1, in) -> (..., 1, out)
         if isinstance(w, Quantized):
@@ -1060,10 +1092,11 @@ def mixture(x, layer, k, norm_topk_prob):
                                  group_size=w.group_size, sorted_indices=by_expert)
         return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=chosen, sorted_indices=by_expert)
 
-    gate, up = product(x, layer["gate_proj"]), product(x, layer["up_proj"])  # (seq, 8, 1, 768)
-    y = product(silu_gate(gate, up), layer["down_proj"])  # (seq, 8, 1, 2048), sorted (seq x 8, ...)
-    if by_expert:  # back in token order
-        y = y[mx.argsort(order)].reshape(-1, k, 1, y.shape[-1])
+    gate = product(x, layer["gate_proj"])  # (seq, 8, 1, 768), or sorted (seq x 8, 1, 768)
+    up = product(x, layer["up_proj"])
+    y = product(silu_gate(gate, up), layer["down_proj"])  # (seq, 8, 1, 2048), or sorted
+    if by_expert:  # the inverse permutation: back in token order
+        y = y[mx.argsort(order)].reshape(-1, k, 1, y.shape[-1])  # (seq, 8, 1, 2048)
     return (weights[:, None, :] @ y[:, :, 0])[:, 0]  # (seq, 1, 8) @ (seq, 8, 2048): weighted sum
 
 
@@ -1075,6 +1108,8 @@ def use_experts(config, bits=None):
     def load_stacked(tensors, name, dtype):
         *block, kind, _ = name.split(".")  # model, layers, {i}, mlp; gate_proj; weight
         if block[3:] != ["mlp"] or not has_experts(config, int(block[2])):
+            # with_router (below) lists a router in every block, but a dense block has none in
+            # the file. None marks the block dense, for `either` (below).
             return None if kind == "gate" else load_one(tensors, name, dtype)
         block = ".".join(block)
         if kind == "gate" and bits and f"{block}.gate.scales" not in tensors:  # the router
@@ -1088,28 +1123,62 @@ def use_experts(config, bits=None):
         # gate_proj's stack: (128, 768, 2048). load_one computes it now, which frees its parts.
         return load_one(tensors, name if kind == "gate" else stacked, dtype)
 
-    router = lambda c: shapes(c) | {"mlp.gate.weight": (config.num_experts, c.hidden_size)}
-    # A dense block's "gate" is None, and a draft's blocks (section 22) have none.
+    with_router = lambda c: shapes(c) | {"mlp.gate.weight": (config.num_experts, c.hidden_size)}
+    # A dense block's "gate" is None, and a draft's blocks (section 22) have none: Part 1's swiglu.
     either = lambda x, layer: dense(x, layer) if layer.get("gate") is None else mixture(
         x, layer, config.num_experts_per_tok, config.norm_topk_prob)
-    replace(layer_shapes=router, load_tensor=load_stacked, swiglu=either)
+    replace(layer_shapes=with_router, load_tensor=load_stacked, swiglu=either)
 
 
 # --- 22. Speculative decoding: a small model drafts, the large one checks (--draft-model) --------
 #
-# Where reading the weights limits decoding (section 16), a pass over a few positions costs about
-# what a pass over one does. So a small draft model with the same tokenizer (Qwen3-0.6B for
-# Qwen3-8B) proposes k tokens, and the target checks them in one pass (Leviathan et al. 2023; Chen
-# et al. 2023). A round, for k = 4:
-#   1. draft      the draft draws d1 ... d4 after the last token t, from q          (4, vocab)
+# The problem. Where reading the weights limits decoding (section 16), generate() reads all of them
+# for each token. Yet a pass over a few positions costs little more than a pass over one
+# (docs/performance.md#speculative-decoding---draft-model).
+#
+# The idea (Leviathan et al. 2023; Chen et al. 2023). A small draft model with the same tokenizer
+# (Qwen3-0.6B for Qwen3-8B) proposes k tokens. The target checks them all in one pass, keeps some,
+# and adds one of its own. One cache list holds both models: the target's layers, then the draft's
+# (make_cache below). So Chat (section 18), which sets `offset` on each layer, rolls back both.
+# A round, for k = 4, after t, the last token out:
+#   1. draft      the draft reads t (first d4 of the round before, if all passed), then draws
+#                 d1 ... d4 from its distribution q, reading each but d4 in turn     (4, vocab)
 #   2. verify     the target's forward([t, d1, ..., d4], last_only=False) gives p    (5, vocab)
 #   3. accept     each d in turn with probability min(1, p(d) / q(d)), up to the first rejection.
 #                 There the target draws from max(0, p − q), normalised (after d4: from p).
 #   4. roll back  both caches forget the rejected positions: `offset` moves back, nothing is copied
-# Token x then comes out as likely as in the target's own draw: min(p(x), q(x)) as a proposal, the
-# rest from the residual. Greedy, p and q are one-hot, so the text is the target's (to rounding: a
-# pass over 5 positions may round unlike 5 passes). mlx-lm keeps a proposal when the target's own
-# draw agrees: also exact, but it accepts Σ p·q, not Σ min(p, q) (docs/performance.md).
+#
+# Why each token is as likely as in the target's own draw. At one position, the draft proposes x
+# with probability q(x) and it passes with min(1, p(x) / q(x)). So P(accept x) = min(p(x), q(x)).
+# For each token, p = min(p, q) + max(0, p − q). So P(reject) = 1 − Σ min(p, q) =
+# Σ max(0, p − q), which is also the residual's normaliser. A rejection then yields x with
+# probability max(0, p(x) − q(x)), and in all:
+#   P(x) = min(p, q) + max(0, p − q) = p(x)
+# With 3 words, p = (0.5, 0.3, 0.2) and q = (0.3, 0.2, 0.5): min(p, q) = (0.3, 0.2, 0.2) passes,
+# 0.7 in all. The 0.3 rejected draws from max(0, p − q) = (0.2, 0.1, 0), normalised (2/3, 1/3, 0).
+# P = (0.3 + 0.3 · 2/3, 0.2 + 0.3 · 1/3, 0.2 + 0) = (0.5, 0.3, 0.2) = p.
+# p and q must be the filtered distributions, the ones sample() draws from (filter_logits, min-p).
+# The proof needs q to be what the draft truly drew from, and p what the target's own draw would
+# use. Raw softmaxes would bring back the tokens that top-k and top-p removed.
+# A rejection at d_i ends the round: the later proposals and p were computed after d_i, now not in
+# the text. So each token out is drawn from p given the tokens truly before it, as in the target's
+# own run. After all k pass, p's last row (after dk) gives one more token: the residual there is p.
+# Greedy, p and q are one-hot: a proposal passes if it is the target's argmax, else that argmax
+# replaces it. The text is the target's, to rounding (a pass over 5 positions may round unlike 5).
+# mlx-lm does step 3 another way. It draws the target's own token at each position, and keeps the
+# proposal only if the two are the same. That is exact too. But two draws agree with probability
+# Σ p·q, which is at most Σ min(p, q). For p = q = (0.5, 0.5), it keeps half the proposals, and
+# this rule all (measured: the page linked above).
+#
+# Try it: `python llm_inference.py --model Qwen/Qwen3-8B --draft-model Qwen/Qwen3-0.6B`. Its last
+# line counts the proposals accepted and the tokens per pass of the target.
+#
+# It replaces make_cache (section 6) and generate_long (section 14), whose prefill it reuses.
+# tests/test_speculative.py checks that greedy, the tokens are the target's
+# (test_greedy_the_tokens_are_the_targets_whatever_the_draft), that sampled, each follows p
+# (test_sampled_each_token_is_distributed_as_the_targets_draw), though a seed draws other tokens
+# than without a draft, and that rejected proposals leave nothing in either cache
+# (test_after_rejections_both_caches_hold_what_a_plain_run_holds).
 
 def distribution(logits, sampling, min_p=0.0):
     """What sample() draws from, per row (rows, vocab), no presence penalty (cli.py refuses one)."""
@@ -1119,11 +1188,17 @@ def distribution(logits, sampling, min_p=0.0):
 
 def verify(p, q, proposals, test_key, draw_key):
     """Step 3 for p (k + 1, vocab), q (k, vocab) and the k proposals: which pass (k,), and at each
-    position a draw from max(0, p − q) (k + 1,). Leading axes, if any, are rounds."""
+    position a draw from max(0, p − q) (k + 1,). (tests/test_speculative.py passes 20,000 rounds at
+    once, on a leading axis: hence the `...`.)"""
+    # at(q)[i] = q_i(d_i): each row's probability of its own proposal (take_along_axis: 21).
     at = lambda probs: mx.take_along_axis(probs, proposals[..., None], axis=-1)[..., 0]
+    # mx.random.uniform: numbers spread evenly over [0, 1). u < p(d) / q(d) has probability
+    # min(1, p(d) / q(d)). q(d) > 0, as d was drawn from q.
     passed = mx.random.uniform(shape=proposals.shape, key=test_key) * at(q) < at(p[..., :-1, :])
+    # After dk, q is 0 (no proposal), so the residual is p.
     residual = mx.maximum(p - mx.concatenate([q, mx.zeros_like(q[..., :1, :])], axis=-2), 0)
-    return passed, mx.random.categorical(mx.log(residual), key=draw_key)  # normalises it
+    # log(residual) as logits: their softmax is residual / Σ residual. log 0 = -inf: never drawn.
+    return passed, mx.random.categorical(mx.log(residual), key=draw_key)
 
 
 def load_draft(folder, config, stored, dtype, bits):
@@ -1135,8 +1210,7 @@ def load_draft(folder, config, stored, dtype, bits):
 
 
 def use_speculative(draft, k, min_p=0.0):
-    """Replaces make_cache (the target's layers, then the draft's, so that a chat rolls back both)
-    and generate_long (14). Returns the last run's (accepted, proposed) per round."""
+    """Replaces make_cache and generate_long (14). Returns the last run's (accepted, k) a round."""
     one_cache, prefill_long, rounds = make_cache, generate_long, []
 
     def generate_drafted(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
@@ -1147,22 +1221,28 @@ def use_speculative(draft, k, min_p=0.0):
         next(prefill_long(prompt_ids, *draft, 1, cache=drafter))  # the draft's prefill
         _, logits = next(prefill_long(prompt_ids, weights, config, 1, cache=target,
                                       progress=progress))
+        if max_tokens < 1:  # as generate(): the prompt prefilled, no token out
+            return
         key, pick = mx.random.split(mx.random.key(sampling.seed))  # as in generate()
-        new, unread, n_out = [(sample(logits, sampling, pick).item(), logits)], [], 0
+        new = [(sample(logits, sampling, pick).item(), logits)]  # tokens to yield, with logits
+        n_out = 0  # tokens yielded
+        unread = []  # besides t, what the draft has not read: dk, after a round that kept all
         while True:
-            for token, logits in new:  # `token` stays the last one yielded
+            for token, logits in new:  # `token` stays the last one yielded: t
                 yield token, logits
                 n_out += 1
                 if token in eos_ids or n_out == max_tokens:
                     return
-            x, proposals, drafted = mx.array(unread + [token]), [], []  # 1. draft, what it lacks
+            x = mx.array(unread + [token])  # 1. draft: read what it has not, then draw
+            proposals, drafted = [], []  # d1 ... dk (1,) each, and their logits (vocab,) each
             for _ in range(k):
                 drafted.append(forward(x, *draft, drafter))  # (vocab,)
                 key, pick = mx.random.split(key) if sampling.temperature else (key, key)
                 x = sample(drafted[-1], sampling, pick)[None]  # (1,), from q
                 mx.async_eval(x)  # computed while the next is recorded
                 proposals.append(x)
-            start, proposals = target[0].offset, mx.concatenate(proposals)  # (k,)
+            start = target[0].offset  # t's position
+            proposals = mx.concatenate(proposals)  # (k,)
             logits = forward(mx.concatenate([mx.array([token]), proposals]), weights, config,
                              target, last_only=False)  # 2. verify: (k + 1, vocab)
             mx.async_eval(logits)  # runs while the rest is recorded
@@ -1170,13 +1250,18 @@ def use_speculative(draft, k, min_p=0.0):
                 passed, extra = logits[:k].argmax(-1) == proposals, logits.argmax(-1)
             else:
                 probs = distribution(mx.concatenate([logits, mx.stack(drafted)]), sampling, min_p)
-                key, *keys = mx.random.split(key, 3)  # probs: p, then q
-                passed, extra = verify(probs[: k + 1], probs[k + 1 :], proposals, *keys)
+                key, *keys = mx.random.split(key, 3)  # 3 keys: one kept, one to test, one to draw
+                passed, extra = verify(probs[: k + 1], probs[k + 1 :], proposals, *keys)  # p, q
             mx.eval(passed, extra)
-            n, proposals = (passed.tolist() + [False]).index(False), proposals.tolist()
-            for layer_cache in cache:  # 4. roll back to t, d1 ... dn (the draft read to d(k-1))
+            n = (passed.tolist() + [False]).index(False)  # proposals before the first failure
+            proposals = proposals.tolist()
+            # 4. roll back to t, d1 ... dn: offset start + 1 + n. If n = k, the draft keeps its
+            # start + k, as it read only up to d(k-1).
+            for layer_cache in cache:
                 layer_cache.offset = min(layer_cache.offset, start + 1 + n)
-            unread = proposals[-1:] if n == k else []  # all passed: the draft never read dk
+            # Reading dk would take a draft pass, wasted whenever a proposal fails. So when all
+            # pass, the next round's step 1 reads it.
+            unread = proposals[-1:] if n == k else []
             rounds.append((n, k))
             new = list(zip(proposals[:n] + [extra.tolist()[n]], logits))
 

@@ -7,6 +7,8 @@ After rejections, both caches hold what a run that never saw the rejected tokens
 line's flags are checked in tests/test_cli.py and tests/test_chat_cli.py.
 """
 
+import itertools
+
 import mlx.core as mx
 import pytest
 
@@ -111,6 +113,18 @@ def test_after_rejections_both_caches_hold_what_a_plain_run_holds(models):
             for a, b in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
                 assert mx.allclose(a[..., :held, :], b[..., :held, :], atol=1e-4).item()
     assert 0 < sum(n for n, _ in rounds) < 4 * len(rounds)  # proposals accepted, and rejected
+
+
+def test_max_tokens_bounds_the_tokens_as_in_generate(models):
+    """A drafted run yields as many tokens as generate() does: none for max_tokens 0 (at most 5
+    are taken here, as with no end token a drafted run could go on for ever), one for 1."""
+    config, target, drafts = models
+    speculative(config, drafts["itself"], 2)
+    for max_tokens in (0, 1, 4):
+        plain = [t for t, _ in li.generate(PROMPT, target, config, max_tokens)]
+        drafted = [t for t, _ in itertools.islice(
+            li.generate_long(PROMPT, target, config, max_tokens), 5)]
+        assert drafted == plain and len(plain) == max_tokens, max_tokens
 
 
 def chi_square(counts, expected):
