@@ -43,7 +43,7 @@ from tokenizers.decoders import DecodeStream
 # ================================================================================================
 #
 # Plain functions that write the math out. `python llm_inference.py --reference-ops` runs exactly
-# this code, except that a prompt over 1,024 tokens is first prefilled in pieces (section 14).
+# this code. Only a prompt of over 32 tokens may first be prefilled in pieces (section 14).
 # A plain run swaps five of these functions for faster ones that compute the same. MLX's fused
 # kernels do in one step on a GPU what several operations do here (section 12). Compilation
 # merges a function's element-wise steps into one (section 13). Quantizing, several processes and
