@@ -371,9 +371,13 @@ def main():
                     help="instead: speculative decoding, ours against mlx-lm's, with each draft: a "
                          "folder or repo id, or q8 / q4 (the target's weights at 8 / 4 bits); "
                          "the first --prompt-lengths")
-    ap.add_argument("--num-draft-tokens", type=count, nargs="+", default=[2, 4], metavar="K",
+    ap.add_argument("--num-draft-tokens", type=count, nargs="+", metavar="K",
                     help="with --draft-model: the k to measure (default: 2 4)")
     args = ap.parse_args()
+    if args.num_draft_tokens and not args.draft_model:  # as the CLI warns (cli.parse_args)
+        cli.warn_ignored(["--num-draft-tokens"], "with --draft-model", "a run without one",
+                         "--draft-model")
+    args.num_draft_tokens = args.num_draft_tokens or [2, 4]
     cache_tokens = args.decode_tokens or CACHE_TOKENS
     if args.cache_lengths and cache_tokens < 2:
         ap.error("argument --decode-tokens: --cache-lengths needs at least 2 (a decode speed is "
@@ -594,7 +598,7 @@ def load_draft_pair(spec, model_dir, dtype):
     """(name, our (weights, config), mlx-lm's model) for q8, q4 (the target's own weights
     quantized) or a folder or repo id."""
     bits = {"q8": 8, "q4": 4}.get(spec)
-    folder = model_dir if bits else cli.find_model(spec, True, li.Config.__annotations__)
+    folder = model_dir if bits else cli.find_model(spec, True, li.Config.__annotations__, "--draft-model")
     li.replace(load_tensor=LOAD_TENSOR)  # not an earlier draft's quantizing one (section 16)
     config, weights, _, model = load_pair(folder, dtype, bits)
     return spec, (weights, config), model

@@ -114,11 +114,17 @@ def check_config(model_dir, fields, bits=None):
     if not isinstance(rope, dict):
         raise UserError(f"{path}: 'rope_parameters' should be an object, got {json.dumps(rope)}")
     types = fields if "qwen3" in fields else {"qwen3": fields}
+    if found == "qwen3_moe" and found not in types:  # only a draft's fields lack it (section 22)
+        raise UserError(f"{path} is a mixture of experts, which cannot be a draft: section 22 "
+                        "drafts with Part 1's dense forward, and a mixture's blocks need section "
+                        "21's replacements, which apply to the model only")
     if found not in types:
         raise UserError(f"{path} is not a Qwen3 config (model_type is {found!r}, expected "
                         f"{' or '.join(map(repr, types))})")
     for feature, asked in {  # variants Part 1 does not implement: refused, not run wrong
         "RoPE scaling": raw.get("rope_scaling") or rope.get("rope_type", "default") != "default",
+        f"the activation {raw.get('hidden_act')!r} (hidden_act), not SiLU":
+            raw.get("hidden_act", "silu") != "silu",
         "attention bias (attention_bias: true)": raw.get("attention_bias"),
         "sliding-window attention (use_sliding_window: true)": raw.get("use_sliding_window"),
     }.items():
@@ -145,11 +151,15 @@ def check_config(model_dir, fields, bits=None):
         raise UserError(f"{path}: 'num_attention_heads' ({heads}) should be a multiple of "
                         f"'num_key_value_heads' ({kv_heads})")
     quantization, other = raw.get("quantization") or {}, raw.get("quantization_config")
+    method = other.get("quant_method") if isinstance(other, dict) else other
+    if other and not quantization and method is None:  # mlx_lm.convert writes both keys
+        raise UserError(f"{path} has a 'quantization_config' that lacks the key 'quant_method', "
+                        "and no 'quantization' (MLX's key, which mlx_lm.convert writes beside it); "
+                        "re-download config.json")
     if other and not quantization:  # how transformers describes GPTQ, AWQ, FP8, ...
-        raise UserError(f"{path}: the weights are quantized with "
-                        f"{other.get('quant_method') if isinstance(other, dict) else other!r}, "
-                        "which this script does not read; use an unquantized or an MLX-format "
-                        "(mlx_lm.convert) checkpoint")
+        raise UserError(f"{path}: the weights are quantized with {method!r}, which this script "
+                        "does not read; use an unquantized or an MLX-format (mlx_lm.convert) "
+                        "checkpoint")
     if not isinstance(quantization, dict):
         raise UserError(f"{path}: 'quantization' should be an object such as "
                         f'{{"group_size": 64, "bits": 4}}, got {quantization!r}')
@@ -282,15 +292,27 @@ def stored_head_differs(files):
     return not alike or list(rows(*head)) != list(rows(*table))
 
 
+# Qwen's embedding tables have rows no token uses. Qwen1 had 151,851 tokens and its table 151,936
+# rows, the next multiple of 128 (a size matrix products handle well). Qwen3 kept that table for
+# 151,669 tokens: 267 rows unused. Up to 1,024 pass; another model's tokenizer is far shorter.
+UNUSED_ROWS = 1024
+QWEN3_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>")  # ends, chat
+
+
 def check_tokenizer(tokenizer, config, model_dir):
-    """Ids the embedding table has rows for, and every text encoded whole."""
+    """Ids the embedding table has rows for, Qwen3's, and every text encoded whole."""
     tokenizer.no_truncation()  # a tokenizer.json may ask to cut or pad every text: not a prompt
     tokenizer.no_padding()
     n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
+    path = Path(model_dir) / "tokenizer.json"
     if n_tokens > config.vocab_size:  # its ids would pick rows the embedding table lacks
-        raise UserError(f"{Path(model_dir) / 'tokenizer.json'} has {n_tokens} tokens, but the "
-                        f"embedding table has only {config.vocab_size} rows (vocab_size): not one "
-                        "model's files")
+        raise UserError(f"{path} has {n_tokens} tokens, but the embedding table has only "
+                        f"{config.vocab_size} rows (vocab_size): not one model's files")
+    missing = [token for token in QWEN3_TOKENS if tokenizer.token_to_id(token) is None]
+    if missing or n_tokens < config.vocab_size - UNUSED_ROWS:
+        raise UserError(f"{path} has another tokenizer ({n_tokens} tokens for {config.vocab_size} "
+                        f"embedding rows{', without ' + missing[0] if missing else ''}): not one "
+                        "model's files; put the model's own tokenizer.json beside its weights")
 
 
 def check_ids(ids, config):
@@ -340,7 +362,7 @@ def check_draft(args, model_dir, config, read_config, layer_shapes, read_tokeniz
         raise SharedError("--draft-model runs in one process only: drop it under mlx.launch")
     # A draft is a dense Qwen3, also for a mixture of experts: read_config's fields, not config's.
     fields, name = type(read_config(model_dir)).__annotations__, f"--draft-model {args.draft_model}"
-    folder = find_model(args.draft_model, not args.no_download, fields)
+    folder = find_model(args.draft_model, not args.no_download, fields, "--draft-model")
     stored, draft = check_config(folder, fields), read_config(folder)  # stored quantized: as is
     if draft.vocab_size != config.vocab_size:  # q and p would not line up
         raise UserError(f"{name} has {draft.vocab_size} vocabulary entries, the model "
@@ -542,14 +564,18 @@ def download_model(repo, model_dir, fields):
     print(f"Downloading {repo} ({len(names + weights + index)} files, {total / 1e9:.2f} GB) into "
           f"{where}", file=sys.stderr)
     others = [name for name in names if name != "model.safetensors"]
-    for batch in (others, weights or ["model.safetensors"], index):
-        folder = get(batch, model_dir) if batch else folder
+    try:
+        for batch in (others, weights or ["model.safetensors"], index):
+            folder = get(batch, model_dir) if batch else folder
+    except Exception as e:  # what arrived stays, for the next run to resume from (find_model)
+        e.resumable = True
+        raise
     return folder
 
 
-def find_model(model_arg, allow_download, fields):
-    """--model's folder as it is; a repo id's copy in Hugging Face's cache, downloaded there once;
-    without --model, ./Qwen3-0.6B, else the one next to the script, downloaded there."""
+def find_model(model_arg, allow_download, fields, flag="--model"):
+    """--model's (or flag's) folder as it is; a repo id's copy in Hugging Face's cache, downloaded
+    there once; without --model, ./Qwen3-0.6B, else the one next to the script, downloaded there."""
     repo = repo_id(model_arg) if model_arg else HF_REPO
     names = lambda folder: {p.name for p in folder.iterdir()} if folder and folder.is_dir() else ()
     try:
@@ -579,7 +605,7 @@ def find_model(model_arg, allow_download, fields):
             f"{model_dir} is a file, not a model folder" if model_dir.exists() else
             f"model folder {model_dir} not found")
     if repo is None:
-        raise UserError(f"{what}; point --model at a folder with {', '.join(NEEDED_FILES)} (or "
+        raise UserError(f"{what}; point {flag} at a folder with {', '.join(NEEDED_FILES)} (or "
                         f"{WEIGHTS_INDEX} and its shards), or at a repo id such as Qwen/Qwen3-1.7B")
     model_dir = None if in_cache else model_dir  # where a download goes
     fetch = f"fetch it with: {download_command(repo, model_dir)}"
@@ -596,14 +622,18 @@ def find_model(model_arg, allow_download, fields):
         raise UserError(f"{what}, and {e}")
     except Exception as e:  # no network, no such repo, a network error midway, a full disk ...
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        fix = (f"run again to resume, or {fetch}" if getattr(e, "resumable", False) else
+               f"{fetch}; to try the script meanwhile on random weights, see README.md's "
+               "Troubleshooting")
         raise UserError(f"{what}, and could not download {repo} ({type(e).__name__}: {reason}); "
-                        f"run again to resume, or {fetch}")
+                        f"{fix}")
 
 
 # --- The command line: python llm_inference.py --prompt "..." [flags] -----------------------------
 
 DEFAULT_PROMPT = "The capital of France is"
 MAX_TOKENS, CHAT_MAX_TOKENS = 100, 8192  # 8192: enough to finish thinking, mostly (README, Chat)
+NUM_DRAFT_TOKENS = 2  # --num-draft-tokens' default
 # Qwen's recommended sampling (model card); in thinking mode generation_config.json's win.
 QWEN3_THINKING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
 QWEN3_NO_THINK = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
@@ -702,8 +732,9 @@ def parse_args(argv):
         help="store the weights in 4 or 8 bits, as mlx_lm.convert does: less memory")
     add("--draft-model", type=model_name, help="a smaller Qwen3 with the same tokenizer (folder or "
         "repo id) that proposes tokens for the model to check (speculative decoding, section 22)")
-    add("--num-draft-tokens", type=number(int, "count"), default=2, metavar="N",
-        help="tokens the draft proposes per round (%(default)s, chosen in docs/performance.md)")
+    add("--num-draft-tokens", type=number(int, "count"), metavar="N",
+        help=f"tokens the draft proposes per round ({NUM_DRAFT_TOKENS}, chosen in "
+        "docs/performance.md)")
     lab = ap.add_argument_group("experiments (README, Experiments)").add_argument
     lab("--top-probs", type=number(int, "top_probs"), metavar="N",
         help="print the N likeliest first tokens (at most 1000) and their probabilities")
@@ -735,15 +766,29 @@ def parse_args(argv):
     ignored = [f"--{name.replace('_', '-')}" for name in ("top_k", "top_p", "min_p", "seed")
                if getattr(args, name) is not None]
     if (args.temperature == 0 or args.temperature is None and not args.chat) and ignored:
-        print(f"warning: {', '.join(ignored)} only matter{'s' * (len(ignored) == 1)} when "
-              f"sampling; greedy decoding ignores {'it' if len(ignored) == 1 else 'them'} (add "
-              "--temperature)", file=sys.stderr)
+        warn_ignored(ignored, "when sampling", "greedy decoding", "--temperature")
+    if args.num_draft_tokens and not args.draft_model:
+        warn_ignored(["--num-draft-tokens"], "with --draft-model", "a run without one",
+                     "--draft-model")
+    args.num_draft_tokens = args.num_draft_tokens or NUM_DRAFT_TOKENS
     return args
+
+
+def warn_ignored(flags, when, run, flag):
+    """A warning about flags this run ignores (bench.py's too): `flag` would make them count."""
+    one = len(flags) == 1
+    print(f"warning: {', '.join(flags)} only matter{'s' * one} {when}; {run} ignores "
+          f"{'it' if one else 'them'} (add {flag})", file=sys.stderr)
+
+
+class Default(int):
+    """A number of tokens the user did not give: check_context says it is the default."""
 
 
 def max_tokens(args, context):
     """--max-tokens, or a default of at most half the context."""
-    return args.max_tokens or min(CHAT_MAX_TOKENS if args.chat else MAX_TOKENS, context // 2)
+    return args.max_tokens or Default(min(CHAT_MAX_TOKENS if args.chat else MAX_TOKENS,
+                                          context // 2))
 
 
 def sampling_settings(args, generation_config, sampling_type, group):
@@ -776,7 +821,11 @@ def describe(sampling, min_p, presence_penalty):
 def check_context(n_prompt, new_tokens, context, prompt, fix, error=SharedError):
     """Refuse a prompt of n_prompt tokens (called `prompt`) that new_tokens would overflow."""
     if n_prompt + new_tokens > context:
-        limit = f"; with --max-tokens {new_tokens} that exceeds" if new_tokens else ", more than"
+        default = isinstance(new_tokens, Default) and (  # max_tokens()'s
+            " (not given: its default, half the context)" if new_tokens == context // 2
+            else " (not given: its default)")
+        limit = (f"; with --max-tokens {new_tokens}{default or ''} that exceeds" if new_tokens
+                 else ", more than")
         raise error(f"{prompt}{limit} the model's {context}-token context: {fix}")
 
 
@@ -799,11 +848,20 @@ def print_header(model_arg, model_dir, config, n, dtype, weights, how, max_token
     c, matrices = config, [weights["embed_tokens"], weights["lm_head"],
                            *(w for layer in weights["layers"] for w in layer.values())]
     bits = "/".join(map(str, sorted({w.bits for w in matrices if hasattr(w, "bits")})))
+    # The share of the matrices' parameters stored quantized (a matrix whose rows do not split into
+    # whole groups stays as it is, section 16); a tied head once, the norms' vectors not at all.
+    size = lambda w: w.packed.size * 32 // w.bits if hasattr(w, "bits") else w.size
+    matrices = [w for w in {id(w): w for w in matrices}.values()
+                if hasattr(w, "bits") or getattr(w, "ndim", 0) > 1]
+    share = sum(size(w) for w in matrices if hasattr(w, "bits")) / sum(map(size, matrices))
+    share = math.floor(share * 1000) / 10  # 99.95 is not 100: rounded down
     print(f"Model: {repo or Path(folder).name} ({c.num_hidden_layers} layers, "
           f"{c.hidden_size} dim, {c.num_attention_heads * n} Q heads, {c.num_key_value_heads * n} "
           f"KV heads) on {'gpu' if mx.default_device() == mx.gpu else 'cpu'}"
           f"{f' x {n} processes' if n > 1 else ''}, {name_of(dtype)}"
-          f"{f', {bits}-bit weights' if bits else ''}, from "
+          f"{f', {bits}-bit weights' if bits else ''}"
+          f"{f' (partly quantized: {share}% of the parameters)' * (share < 100) if bits else ''}"
+          f", from "
           f"{'the Hugging Face cache' if repo else folder}", file=sys.stderr)
     if MLX_CPU_WHEEL and not OPENBLAS:
         print(OPENBLAS_HINT, file=sys.stderr)

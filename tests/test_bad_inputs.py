@@ -149,6 +149,28 @@ def test_a_token_id_beyond_the_embedding_table(tiny, tmp_path, monkeypatch, caps
     assert len(errors) == 1 and "gave the token id 2000000000" in errors[0]
 
 
+@pytest.mark.parametrize("tokenizer", ["a 300-token BPE", "Qwen's without </think>"])
+def test_a_tokenizer_from_another_model_smaller_than_the_table_is_refused(tiny, tmp_path, tokenizer):
+    """Fix: only a tokenizer larger than the embedding table was refused. A small BPE beside the
+    151,936-row table printed an empty reply and exited 0; one without Qwen3's special tokens split
+    them into bytes in a chat. (Qwen's own, 151,669 tokens, passes: every other test runs it.)"""
+    if tokenizer == "a 300-token BPE":
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.train_from_iterator(["The capital of France is Paris. "] * 50, trainers.BpeTrainer(
+            vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        content, why = bpe.to_str().encode(), f"({bpe.get_vocab_size()} tokens for 151936 "
+    else:
+        content = json.loads((tiny / "tokenizer.json").read_text())
+        content["added_tokens"] = [t for t in content["added_tokens"] if t["content"] != "</think>"]
+        why = "(151668 tokens for 151936 embedding rows, without </think>)"
+    folder = copy(tiny, tmp_path / "m", tokenizer_json=content)
+    assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1,
+                          f"{folder / 'tokenizer.json'} has another tokenizer {why}")
+
+
 def test_a_token_id_equal_to_the_table_size_is_refused(tiny):
     """Bug: check_ids let the id vocab_size itself through (> for >=): the row after the table's
     last, read outside it. (test_a_token_id_beyond_the_embedding_table runs one through main().)"""

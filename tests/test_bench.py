@@ -325,6 +325,17 @@ def test_tiny_and_model_are_refused_together(monkeypatch, capsys):
         "bench.py: error: argument --model: not allowed with argument --tiny (see --help)\n")
 
 
+def test_num_draft_tokens_without_a_draft_model_warns(monkeypatch, capsys):
+    """Issue 41: --num-draft-tokens without --draft-model was ignored in silence; it warns as the
+    command line does (cli.warn_ignored)."""
+    monkeypatch.setattr(bench, "matmul_speeds", lambda: None)
+    for flags, warned in ((["--num-draft-tokens", 2], True), ([], False)):
+        assert bench_main(monkeypatch, "--matmul", *flags) is None
+        assert capsys.readouterr().err == ("warning: --num-draft-tokens only matters with "
+                                           "--draft-model; a run without one ignores it (add "
+                                           "--draft-model)\n") * warned
+
+
 def test_each_measurement_is_announced_on_stderr(tiny_folder, untimed, monkeypatch, capsys):
     """Fix: nothing said what was being measured, for minutes on a CPU: it looked hung. A line on
     stderr as each measurement starts (stdout keeps the table alone)."""

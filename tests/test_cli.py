@@ -14,6 +14,7 @@ import hashlib
 import http.server
 import itertools
 import json
+import math
 import os
 import re
 import select
@@ -301,6 +302,21 @@ def test_quantize(tiny_model, greedy_24, tmp_path, bits):
     assert text != greedy_24  # rounding the weights changed the continuation of this random model
 
 
+def test_quantize_says_partly_when_matrices_stay_unquantized(checkpoints, capsys):
+    """Widths of 80 do not split into groups of 64: most matrices stay as they are, and the model
+    line said "4-bit weights" all the same. It says which share of the matrices' parameters is
+    quantized (the embedding table, 151936 x 80, is most of them)."""
+    from tests.checkpoint import QWEN3_0_6B_CONFIG, weight_shapes
+
+    config = TINY_CONFIG | {"hidden_size": 80}
+    shapes = [shape for shape in weight_shapes(QWEN3_0_6B_CONFIG | config).values()
+              if len(shape) == 2]  # the tied head once
+    share = sum(math.prod(s) for s in shapes if s[-1] % 64 == 0) / sum(map(math.prod, shapes))
+    assert li.main(["--model", str(checkpoints(config)), "--max-tokens", "1", "--quantize", "4"]) == 0
+    assert (f", 4-bit weights (partly quantized: {math.floor(share * 1000) / 10}% of the "
+            "parameters), from ") in capsys.readouterr().err
+
+
 def test_max_tokens_one(tiny_model, reference, tmp_path):
     text, lines, n_prompt, n_generated = parse_success(run_cli("--model", tiny_model, "--max-tokens", 1,
                                                                cwd=tmp_path))
@@ -366,6 +382,17 @@ def test_default_max_tokens_is_at_most_half_the_context(tiny_model, variant, tmp
     folder = variant(config_json=tiny_config(tiny_model) | {"max_position_embeddings": 16})
     _, _, n_prompt, n_generated = parse_success(run_cli("--model", folder, cwd=tmp_path))
     assert (n_prompt, n_generated) == (5, 8)
+
+
+def test_a_default_max_tokens_too_large_is_called_the_default(tiny_model, variant):
+    """Fix: an 8-token context, no --max-tokens: the error said "with --max-tokens 4", a number
+    the user never gave (the default, 100, cut to half the context)."""
+    folder = variant(config_json=tiny_config(tiny_model) | {"max_position_embeddings": 8})
+    for flags, said in (([], " (not given: its default, half the context)"), (["--max-tokens", "4"], "")):
+        with pytest.raises(cli.SharedError) as refused:
+            li.main(["--model", str(folder), *flags])
+        assert str(refused.value) == (f"the prompt has 5 tokens; with --max-tokens 4{said} that exceeds "
+                                      "the model's 8-token context: shorten it or lower --max-tokens")
 
 
 @pytest.mark.parametrize("flags, fused, compiled",
@@ -814,10 +841,11 @@ def test_config_rope_scaling(tiny_model, variant, tmp_path, key, value):
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, "RoPE scaling")
 
 
-@pytest.mark.parametrize("key, phrase", [("attention_bias", "attention bias"),
-                                         ("use_sliding_window", "sliding-window attention")])
-def test_config_unsupported_variant(tiny_model, variant, tmp_path, key, phrase):
-    folder = variant(config_json=tiny_config(tiny_model) | {key: True})
+@pytest.mark.parametrize("key, value, phrase", [
+    ("attention_bias", True, "attention bias"), ("use_sliding_window", True, "sliding-window attention"),
+    ("hidden_act", "gelu", "the activation 'gelu' (hidden_act), not SiLU")])  # it ran SiLU
+def test_config_unsupported_variant(tiny_model, variant, tmp_path, key, value, phrase):
+    folder = variant(config_json=tiny_config(tiny_model) | {key: value})
     assert_one_line_error(run_cli("--model", folder, cwd=tmp_path), 1, phrase, "does not implement")
 
 
@@ -1039,7 +1067,10 @@ def test_quantize_other_bits_than_the_folder(converted_4bit, tmp_path):
      ["model.layers.0.mlp.up_proj", "7 bits"]),
     ({"quantization": "4bit"}, ["quantization"]),
     ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, ["gptq"]),
-], ids=["bits 7", "mxfp4", "group 100", "layer bits 7", "not a dict", "gptq"])
+    # mlx_lm.convert's copy without "quantization" beside it: it said "quantized with None"
+    ({"quantization_config": {"group_size": 64, "bits": 4}}, ["lacks the key 'quant_method'",
+                                                              "and no 'quantization'"]),
+], ids=["bits 7", "mxfp4", "group 100", "layer bits 7", "not a dict", "gptq", "no quant_method"])
 def test_quantization_not_supported(converted_4bit, tmp_path, quantization, needles):
     folder = shutil.copytree(converted_4bit, tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())
@@ -1145,6 +1176,28 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_model, reference, varian
                 check()
 
 
+def test_a_draft_folder_missing_or_a_file_names_draft_model(tiny_model, tmp_path):
+    """Fix: the error said "point --model at a folder", of the --draft-model's folder."""
+    for draft, what in ((tmp_path / "nowhere", "model folder {} not found"),
+                        (tiny_model / "config.json", "{} is a file, not a model folder")):
+        with pytest.raises(cli.UserError, match="^" + re.escape(what.format(draft) + "; point "
+                                                               "--draft-model at a folder with")):
+            li.main(["--model", str(tiny_model), "--draft-model", str(draft)])
+
+
+def test_a_mixture_of_experts_draft_says_why_it_cannot_draft(tiny_model, variant):
+    """Fix: it said "is not a Qwen3 config (model_type is 'qwen3_moe')", of a Qwen3 model."""
+    from tests.checkpoint import TINY_MOE_CONFIG
+
+    folder = variant("moe", config_json=tiny_config(tiny_model) | TINY_MOE_CONFIG)
+    with pytest.raises(cli.UserError) as refused:
+        li.main(["--model", str(tiny_model), "--draft-model", str(folder)])
+    assert str(refused.value) == (f"{folder / 'config.json'} is a mixture of experts, which cannot "
+                                  "be a draft: section 22 drafts with Part 1's dense forward, and a "
+                                  "mixture's blocks need section 21's replacements, which apply to "
+                                  "the model only")
+
+
 def test_a_draft_larger_than_the_model_is_warned_about(tiny_model, reference, capsys):
     args = cli.parse_args(["--model", "x", "--draft-model", str(tiny_model)])
     smaller = reference.config._replace(num_hidden_layers=1)  # the model it drafts for
@@ -1231,7 +1284,10 @@ def test_default_folder_missing_unreachable_hub(app):
     start = time.monotonic()
     result = run_cli(cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE=None, HF_ENDPOINT="http://127.0.0.1:9")
     elapsed = time.monotonic() - start
-    assert_one_line_error(result, 1, "could not download Qwen/Qwen3-0.6B", MANUAL_DOWNLOAD)
+    line = assert_one_line_error(result, 1, "could not download Qwen/Qwen3-0.6B", MANUAL_DOWNLOAD,
+                                 "to try the script meanwhile on random weights, see README.md's "
+                                 "Troubleshooting")
+    assert "resume" not in line  # nothing began: only a download cut off midway resumes
     assert leftovers(app) == []
     print(f"unreachable hub: failed after {elapsed:.2f} s")
     assert elapsed < 30, f"took {elapsed:.1f} s to give up on a closed port"
@@ -1913,6 +1969,16 @@ def test_a_seed_without_sampling_warns_like_top_k(tiny_model, capsys):
     assert li.main(["--model", str(tiny_model), "--max-tokens", "2", "--seed", "3",
                     "--temperature", "1"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_num_draft_tokens_without_a_draft_warns_like_top_k(tiny_model, capsys):
+    """--num-draft-tokens without --draft-model changed nothing and said nothing."""
+    assert cli.parse_args(["--num-draft-tokens", "5"]).num_draft_tokens == 5
+    assert capsys.readouterr().err == ("warning: --num-draft-tokens only matters with --draft-model; "
+                                       "a run without one ignores it (add --draft-model)\n")
+    for flags in (["--draft-model", str(tiny_model), "--num-draft-tokens", "5"], []):
+        assert cli.parse_args(flags).num_draft_tokens == (5 if flags else cli.NUM_DRAFT_TOKENS)
+        assert capsys.readouterr().err == ""
 
 
 def test_the_lowest_temperature_and_min_p_0_are_accepted():
