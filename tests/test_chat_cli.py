@@ -235,6 +235,49 @@ def test_a_drafted_chat_replies_as_an_undrafted_one(tiny_model, converted_4bit, 
     assert 0 < sum(int(c[1]) for c in counts) < sum(int(c[2]) for c in counts)
 
 
+def drafted_chat(folder, stdin, monkeypatch, capsys, *flags):
+    """main()'s greedy chat of the tiny model in `folder` (6 tokens a reply) on these lines of
+    stdin: (stdout, stderr, the matches of TURN without the draft's counts, those counts
+    (accepted, proposed) per turn)."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    assert li.main(["--model", str(folder), "--chat", "--no-think", "--temperature", "0",
+                    "--max-tokens", "6", *flags]) == 0
+    out, err = capsys.readouterr()
+    lines = [line.split(" | Draft: ") for line in err.splitlines() if line.startswith("Turn ")]
+    counts = [tuple(map(int, re.match(r"(\d+)/(\d+) accepted", line[1]).groups()))
+              for line in lines if len(line) > 1]
+    return out, err, [TURN.match(line[0]) for line in lines], counts
+
+
+def test_a_draft_with_fewer_layers_reuses_the_chats_cache_as_no_draft_does(
+        tiny_model, checkpoints, monkeypatch, capsys):
+    """The draft's caches are made from its own config: with a 1-layer draft for the 2-layer
+    model, turn 2 reuses the first turn's tokens from the cache as a chat without a draft does."""
+    draft = checkpoints(TINY_CONFIG | {"num_hidden_layers": 1, "max_window_layers": 1},
+                        name="tiny-qwen3-1-layer")
+    runs = [drafted_chat(tiny_model, b"One\nTwo\n", monkeypatch, capsys, *flags)
+            for flags in ([], ["--draft-model", str(draft)])]
+    (plain, _, plain_turns, _), (out, _, turns, counts) = runs
+    assert out == plain
+    assert [t.group(2, 3, 4, 5) for t in turns] == [t.group(2, 3, 4, 5) for t in plain_turns]
+    assert int(turns[1][3]) > 0 and len(counts) == 2  # turn 2 reused some; both were drafted
+
+
+def test_a_chats_draft_rolls_back_with_the_model_after_reset_and_make_room(variant, tiny_model,
+                                                                            monkeypatch, capsys):
+    """/reset and make_room's dropping of the oldest turns roll the draft's cache back with the
+    model's. The model's own copy drafting (greedy) then has every proposal accepted in every
+    turn: a draft that still held the forgotten turns would propose other tokens."""
+    config = json.loads((tiny_model / "config.json").read_text()) | {"max_position_embeddings": 35}
+    folder = variant("short-context", config_json=config)
+    _, err, turns, counts = drafted_chat(folder, b"One\n/reset\nTwo\nThree\n", monkeypatch,
+                                         capsys, "--draft-model", str(folder))
+    assert [int(t[2]) for t in turns] == [1, 1, 2]  # the reset started over
+    assert "(the conversation outgrew the 35-token context: forgot the oldest 1 turn)" in err
+    assert len(counts) == 3, counts
+    assert all(accepted == proposed > 0 for accepted, proposed in counts), counts
+
+
 # ------------------------------------------------------------------------------------------------
 # Thinking, shown properly: ReplyPrinter with a simulated terminal
 # ------------------------------------------------------------------------------------------------

@@ -1147,14 +1147,16 @@ def test_a_draft_model_leaves_the_text_as_it_is_and_reports_its_acceptance(
     assert 0 < int(drafted[1]) < int(drafted[2])  # some accepted, some rejected
 
 
+@pytest.mark.parametrize("vocab_size", [151680, 152064])  # smaller, larger (Qwen2.5-7B's)
 def test_a_draft_with_another_vocabulary_is_refused_before_any_weights_load(tiny_model, variant,
-                                                                             monkeypatch):
-    folder = variant("draft", config_json=tiny_config(tiny_model) | {"vocab_size": 151680})
+                                                                             monkeypatch,
+                                                                             vocab_size):
+    folder = variant("draft", config_json=tiny_config(tiny_model) | {"vocab_size": vocab_size})
     monkeypatch.setattr(li, "load_weights", lambda *args: pytest.fail("weights were loaded"))
     with pytest.raises(cli.UserError) as refused:
         li.main(["--model", str(tiny_model), "--draft-model", str(folder)])
-    assert str(refused.value) == (f"--draft-model {folder} has 151680 vocabulary entries, the model "
-                                  "151936: a draft needs the model's vocabulary")
+    assert str(refused.value) == (f"--draft-model {folder} has {vocab_size} vocabulary entries, "
+                                  "the model 151936: a draft needs the model's vocabulary")
 
 
 def test_a_draft_with_another_tokenizer_is_refused(tiny_model, reference, variant):
@@ -1205,6 +1207,14 @@ def test_a_draft_larger_than_the_model_is_warned_about(tiny_model, reference, ca
                            li.load_tokenizer)[0] == tiny_model
     assert capsys.readouterr().err == (f"warning: --draft-model {tiny_model} has more weights than "
                                        "the model: drafting with it slows decoding down\n")
+
+
+def test_a_draft_as_large_as_the_model_is_not_warned_about(tiny_model, reference, capsys):
+    """The model's own copy (its folder again) has as many weights as the model: not more."""
+    args = cli.parse_args(["--model", "x", "--draft-model", str(tiny_model)])
+    assert cli.check_draft(args, tiny_model, reference.config, li.load_config, li.layer_shapes,
+                           li.load_tokenizer)[0] == tiny_model
+    assert capsys.readouterr().err == ""
 
 
 def test_a_draft_is_refused_under_mlx_launch_and_with_flags_it_does_not_serve(

@@ -185,6 +185,20 @@ def test_quantized_as_mlx_lm_convert(tiny_moe, checkpoints, bits):
     assert tokens(li.generate(ids, ours, config, 10)) == theirs
 
 
+def test_quantize_on_a_converted_folder_uses_its_routers_as_stored(tiny_moe, checkpoints):
+    """--quantize 4 on the folder mlx_lm.convert wrote at 4 bits: its routers, stored at 8 bits,
+    are used as they are (not quantized again from their packed integers), as every other matrix
+    is. The logits are mlx-lm's on that folder."""
+    converted = checkpoints.converted(tiny_moe, quantize=True, q_bits=4, q_group_size=64)
+    config, weights, tokenizer, _ = load_model(converted, mx.float32, 4)
+    assert weights["layers"][0]["gate"].bits == 8
+    ids = tokenizer.encode(PROMPT).ids
+    ours = li.forward(mx.array(ids), weights, config, li.make_cache(config), last_only=False)
+    model, _ = mlx_lm_load_model(converted)
+    model.set_dtype(mx.float32)
+    assert mx.abs(ours - model(mx.array(ids)[None])[0]).max().item() < TOL
+
+
 def test_stacked_float_folder_loads(tiny_moe, checkpoints):
     """mlx_lm.convert without -q: experts stacked as switch_mlp, floats."""
     converted = checkpoints.converted(tiny_moe)
@@ -230,6 +244,22 @@ def refusal(folder):
 def test_more_experts_per_token_than_experts(tiny_moe, tmp_path):
     message = refusal(edited(tiny_moe, tmp_path, {"num_experts_per_tok": 9}))
     assert "'num_experts_per_tok' (9) should be at most 'num_experts' (8)" in message
+
+
+def test_every_expert_per_token_runs_as_mlx_lm_does(checkpoints):
+    """num_experts_per_tok equal to num_experts is valid: each token goes through all 8 experts,
+    weighted by the router. The prompt's logits (its tokens sorted by expert) and the greedy
+    tokens after it (one at a time) are mlx-lm's."""
+    folder = checkpoints(TINY_MOE_CONFIG | {"num_experts_per_tok": 8}, seed=3, name="top-8-of-8")
+    config, weights, tokenizer, _ = load_model(folder, mx.float32)
+    assert config.num_experts_per_tok == config.num_experts == 8
+    ids = tokenizer.encode(PROMPT).ids
+    ours = li.forward(mx.array(ids), weights, config, li.make_cache(config), last_only=False)
+    model, _ = mlx_lm_load_model(folder)
+    model.set_dtype(mx.float32)
+    assert mx.abs(ours - model(mx.array(ids)[None])[0]).max().item() < TOL
+    theirs = tokens(generate_step(mx.array(ids), model, max_tokens=6))
+    assert tokens(li.generate(ids, weights, config, 6)) == theirs
 
 
 def test_expert_width_that_the_tensors_do_not_have(tiny_moe, tmp_path):

@@ -39,11 +39,11 @@ def models(tmp_path_factory):
 PLAIN = {"make_cache": li.make_cache, "generate_long": li.generate_long}  # as imported
 
 
-def speculative(config, draft, k):
+def speculative(config, draft, k, min_p=0.0):
     """From now on li.generate_long drafts with `draft` (of config's shape); returns its rounds:
     (accepted, proposed) per target pass."""
     li.replace(linear=li.quantized_linear, embed=li.quantized_embed, **PLAIN)  # serve both
-    return li.use_speculative((draft, config), k)
+    return li.use_speculative((draft, config), k, min_p)
 
 
 def test_greedy_the_tokens_are_the_targets_whatever_the_draft(models):
@@ -95,6 +95,22 @@ def test_sampled_each_proposal_is_checked_against_its_own_positions(models, monk
     assert len(calls) == len(rounds) > 2
 
 
+def test_sampled_with_min_p_each_token_is_one_the_targets_min_p_keeps(models):
+    """--min-p with a draft: sample() draws the first token and the proposals with min-p (section
+    17, as main() sets it up), and p and q in verify() must filter by it too. Then every token out,
+    a passed proposal or a draw from the residual or from p, is one that the target's logits at its
+    position keep after min-p."""
+    config, target, drafts = models
+    sampling, min_p = li.Sampling(temperature=1.0, top_k=0, top_p=1.0, seed=4), 0.2
+    rounds = speculative(config, drafts["4-bit"], 3, min_p)
+    li.use_extra_sampling(min_p, 0.0, config.vocab_size)
+    out = list(li.generate_long(PROMPT, target, config, 60, sampling))
+    kept = [mx.isfinite(li.filter_min_p(li.filter_logits(logits, sampling), min_p))[token].item()
+            for token, logits in out]
+    assert len(out) == 60 and all(kept), kept.count(False)
+    assert 0 < sum(n for n, _ in rounds) < 3 * len(rounds)  # proposals accepted, and rejected
+
+
 def test_after_rejections_both_caches_hold_what_a_plain_run_holds(models):
     """Every position a cache holds equals a fresh prefill's of the tokens the run yielded: the
     rejected proposals left nothing behind, in the target's cache or the draft's."""
@@ -129,6 +145,28 @@ def test_max_tokens_bounds_the_tokens_as_in_generate(models):
 
 def chi_square(counts, expected):
     return sum((c - e) ** 2 / e for c, e in zip(counts, expected) if e > 0)
+
+
+def test_sampled_after_every_proposal_passed_the_extra_token_is_drawn_from_p():
+    """One round with k = 1, 20,000 times at once, on an 8-token vocabulary: when the proposal
+    passes, the extra token, drawn after it, follows p's row there, not the residual max(0, p - q)
+    a rejection draws from. Chi-square over the rounds that passed, 7 degrees of freedom: 24.3 is
+    the 0.1% level (about 6 here, about 8,000 from the residual)."""
+    sampling = li.Sampling(temperature=1.0, top_k=0, top_p=1.0)
+    logits = mx.array([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0],  # p, at the proposal
+                       [-1.0, 0.0, 1.0, 2.0, 0.5, 1.5, -0.5, -2.0],  # p, after it
+                       [1.5, 2.0, 1.0, 0.0, 0.5, -0.5, -1.0, -2.0]])  # q, at the proposal
+    probs = li.distribution(logits, sampling)  # (3, 8)
+    p, q = probs[:2], probs[2:]
+    n = 20000
+    proposals = mx.random.categorical(mx.log(q), shape=(n, 1), key=mx.random.key(1))  # (n, 1)
+    passed, extra = li.verify(mx.broadcast_to(p, (n, 2, 8)), mx.broadcast_to(q, (n, 1, 8)),
+                              proposals, *mx.random.split(mx.random.key(2)))
+    passed = passed[:, 0]
+    counts = [(passed & (extra[:, 1] == token)).sum().item() for token in range(8)]
+    expected = [passed.sum().item() * x for x in p[1].tolist()]
+    assert chi_square(counts, expected) < 24.3, (counts, expected)
+    assert 0.2 < passed.mean().item() < 0.9  # enough rounds passed, and not all
 
 
 def test_sampled_each_token_is_distributed_as_the_targets_draw():
