@@ -784,8 +784,8 @@ class Chat:
         # A new draw per reply, the conversation repeatable from the seed.
         sampling = sampling._replace(seed=(sampling.seed + self.replies) % 2**64)
         self.replies += 1
-        # Reuse the leading ids that agree with the cached ones, all but the last new id at most:
-        # that one is fed again, as its logits give the reply's first token.
+        # Reuse the leading ids that agree with the cached ones, but never the last new id. It is
+        # fed again, as its logits give the reply's first token.
         self.reused = 0
         for cached, new in zip(self.cached_ids, ids[:-1]):
             if cached != new:
