@@ -605,11 +605,21 @@ def tokens_per_layer(size, seconds):
 
 
 # --- 15. Without a KV cache: what the cache saves (--no-cache) ------------------------------------
+#
+# Without section 6's KVCache, each new token runs the whole sequence so far through every layer
+# again. For a prompt of 5 tokens and 3 new ones, generate() runs 5 + 1 + 1 = 7 positions through
+# the model. This function runs 5 + 6 + 7 = 18, and the gap grows with each token. At 512 tokens
+# of context, a CPU decoded 9.2x slower (docs/performance.md#the-kv-cache---no-cache).
+# The logits are the same to rounding (on a Linux CPU, bit for bit: the same page). A row of a
+# (seq, in) product may be summed in another order than a (1, in) product.
+# Try it: python bench.py --tiny --device cpu --cache-lengths 12 128 512
+# main() calls it instead of generate_long() (section 14). It is safe: the same tokens, and logits
+# within 1e-4 (test_without_the_cache_the_tokens_and_logits_are_the_same, tests/test_model.py).
 
 def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sampling(),
                            eos_ids=()):
-    """generate() without a KV cache: every step runs the whole sequence so far through the model.
-    The same tokens and logits, for work per token that grows with the sequence."""
+    """generate() without a KV cache: every step runs the whole sequence so far through the model,
+    with a fresh, empty cache. The same tokens, for work per token that grows with the sequence."""
     token_ids, key = list(prompt_ids), mx.random.key(sampling.seed)
     for _ in range(max_tokens):
         logits = forward(mx.array(token_ids), weights, config, make_cache(config))
@@ -628,20 +638,35 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
 # Qwen3-8B reads 15.1 GB of matrices per token in bfloat16 (of the embedding table, one row). At
 # 100 GB/s that takes 151 ms per token, and its 4.3 GB at 4 bits 43 ms. For a small model on a big
 # GPU, each operation's fixed cost sets the pace instead. On a CPU, MLX's quantized product is no
-# faster than its float32 one (docs/performance.md).
+# faster than its float32 one (docs/performance.md#quantized-weights).
 #
-# Group-wise affine quantization, as in mlx-lm, cuts each row into groups of 64 weights. A
-# group keeps 64 integers q from 0 to 2^bits - 1, and one scale and one bias chosen so that
+# Group-wise affine quantization, as in mlx-lm, cuts each row into groups of 64 weights. A group
+# keeps an integer q from 0 to 2^bits - 1 per weight, and one scale and one bias, so that
 # w ≈ scale * q + bias. With 16-bit scales and biases, a weight costs 4 + 2 x 16 / 64 = 4.5 bits
-# at 4 bits, instead of 16 (8.5 at 8 bits). The price is rounding. Each weight moves by up to half
-# a level (its effect on one layer: docs/performance.md).
+# at 4 bits, instead of 16 (8.5 at 8 bits). The price is rounding.
+# An example at 2 bits (levels q = 0 to 3), for a group of 4 (MLX's groups hold 32, 64 or 128):
+# w = [-0.4, 0.1, 0.5, 0.2]. Its range, 0.9, would give 3 steps of 0.3. But MLX keeps the end of
+# larger size, 0.5, exact, and it puts a level at exactly 0, so zeros stay zeros. 0.5 is 1.67
+# steps of 0.3, rounded to 2, so a step becomes 0.5 / 2 = 0.25. q counts down from 0.5. So
+# bias = 0.5 and scale = -0.25, and the levels are 0.5, 0.25, 0 and -0.25.
+# q = round((w - bias) / scale), kept within 0 to 3, is [3, 2, 0, 1]. Back come
+# [-0.25, 0, 0.5, 0.25]. 0.1 moves by 0.1, less than half a level, as any weight between two
+# levels does. But -0.4 lies beyond the last level, and moves by 0.15: 0.6 of a level. Such an end
+# can move by up to a whole level. In bfloat16 weights of Qwen3-0.6B's shapes, 39% of the
+# 4-bit groups have a weight that moves by over half a level. The mean move is a quarter of a level.
+# At 8 bits, the scale's rounding to bfloat16 adds to that, as q reaches 255
+# (docs/performance.md#quantized-weights, with the effect on one layer's products).
+# Try it: python llm_inference.py --quantize 4
+# use_quantization() replaces load_tensor, linear and embed. Other weights take Part 1's math.
+# test_quantize.py finds it is mlx-lm's: test_quantize_at_load_equals_mlx_lm_convert and
+# test_quantized_model_matches_mlx_lm_on_the_converted_folder.
 
 GROUP_SIZE = 64  # weights sharing one scale and bias (mlx-lm's default)
 
 
 class Quantized(NamedTuple):
     """A matrix (out, in), quantized in groups along each of its rows: w ≈ scale * q + bias."""
-    packed: mx.array  # (out, in * bits / 32) uint32: the integers q, packed bit after bit
+    packed: mx.array  # (out, in * bits / 32) uint32: 32 / bits integers q each, the first lowest
     scales: mx.array  # (out, in / group_size): one per group, in --dtype
     biases: mx.array  # (out, in / group_size): each group's offset (not a layer's bias term)
     group_size: int
@@ -655,14 +680,16 @@ def quantizable(shape, group_size=GROUP_SIZE):
 
 def quantize(weight, bits, dtype):
     """A checkpoint matrix -> Quantized, as mlx_lm.convert makes it: from the stored bfloat16
-    values, so the scales and biases are bfloat16 numbers, held as `dtype`."""
+    values, so the scales and biases are bfloat16 numbers, held as `dtype`. mx.quantize returns
+    the packed q, the scales and the biases, with Quantized's shapes, chosen as in the example."""
     q, scales, biases = mx.quantize(weight, group_size=GROUP_SIZE, bits=bits)  # affine mode
     return Quantized(q, scales.astype(dtype), biases.astype(dtype), GROUP_SIZE, bits)
 
 
 def quantized_linear(x, weight):
-    """linear() for Quantized weights too. mx.quantized_matmul unpacks each group inside the
-    product, so the full matrix never exists. (Calling linear() here would call this function.)"""
+    """linear() for Quantized weights too. mx.quantized_matmul(x (seq, in), packed, scales,
+    biases, transpose=True) computes x @ (scale * q + bias).T -> (seq, out). It unpacks each group
+    inside the product, so the full matrix never exists. (Calling linear() here would recurse.)"""
     if not isinstance(weight, Quantized):
         return x @ weight.T
     return mx.quantized_matmul(x, weight.packed, weight.scales, weight.biases, transpose=True,
@@ -670,7 +697,8 @@ def quantized_linear(x, weight):
 
 
 def quantized_embed(token_ids, table):
-    """embed() for a Quantized table too: unpack the rows picked, not the 151936-row table."""
+    """embed() for a Quantized table too: unpack the rows picked, not the 151936-row table.
+    mx.dequantize(packed, scales, biases) gives scale * q + bias: here (seq, 1024)."""
     if not isinstance(table, Quantized):
         return table[token_ids]
     return mx.dequantize(table.packed[token_ids], table.scales[token_ids],
@@ -703,11 +731,20 @@ def use_quantization(bits=None, stored=None):
 
 # --- 17. More sampling controls: min-p and a presence penalty -------------------------------------
 #
-# Min-p keeps the tokens at least min_p times as likely as the likeliest one, after top-k and top-p
-# (transformers' order). It cuts more when one token dominates. The presence penalty lowers
-# the logit of every token already in the reply by the same amount (OpenAI's meaning).
-# It works against the loops a small model can fall into. It is a sample() that remembers the
-# reply's tokens in an MLX array, so that it works on tokens not yet computed.
+# Two failings of sampling from a small model, each with a control (both off by default).
+# A long tail. At a temperature, any of thousands of unlikely tokens may be drawn, and top-p keeps
+# a fixed share of the probability, whatever its shape. Min-p keeps the tokens at least min_p
+# times as likely as the likeliest, after top-k and top-p (transformers' order). With min_p 0.2,
+# probabilities [0.6, 0.3, 0.1] have the bar 0.2 x 0.6 = 0.12. So 0.1 goes, and the draw is from
+# [0.67, 0.33, 0]. [0.9, 0.06, 0.04] have the bar 0.18: min-p cuts more when one token dominates.
+# Loops. The presence penalty lowers the logit of each token already in the reply by the same
+# amount, however often it came (OpenAI's meaning). With a penalty of 1.5, a logit of 2.0 becomes
+# 0.5. The prompt's tokens are spared.
+# Try it: python llm_inference.py --min-p 0.05 --temperature 0.7 --top-probs 5
+# use_extra_sampling() replaces sample() (section 10). With min_p 0 and no penalty, it draws as
+# sample() does. test_chat.py checks min-p against transformers' in
+# test_the_filters_chained_keep_what_transformers_keeps, and the penalty in
+# test_generate_applies_the_presence_penalty_to_the_reply_so_far.
 
 def filter_min_p(logits, min_p):
     """Min-p, on logits that filter_logits() has divided and filtered: the rest become -inf."""
@@ -717,7 +754,9 @@ def filter_min_p(logits, min_p):
 
 def use_extra_sampling(min_p, presence_penalty, vocab_size):
     """Replaces sample() (section 10). Call the new_reply() it returns before each reply."""
-    in_reply = mx.zeros(vocab_size)  # 1 for each token picked so far in the reply
+    # 1 for each token of the reply so far. An MLX array, as generate() records step n + 1 on token
+    # n before token n is computed (section 11). A Python set would wait for each (token.item()).
+    in_reply = mx.zeros(vocab_size)  # (vocab,)
 
     def sample_more(logits, sampling, key):
         nonlocal in_reply
@@ -727,7 +766,9 @@ def use_extra_sampling(min_p, presence_penalty, vocab_size):
         else:  # with min-p 0, this is sample()'s draw
             logits = filter_min_p(filter_logits(logits, sampling), min_p)
             token = mx.random.categorical(logits, key=key)
-        in_reply = in_reply.at[token].maximum(1.0)  # a copy with in_reply[token] = 1
+        # x.at[i].maximum(1.0) records a new array: x, with x[i] = max(x[i], 1.0). i may be a lazy
+        # token. The maximum makes a token's 1 stay 1 when it comes again: the penalty is once.
+        in_reply = in_reply.at[token].maximum(1.0)
         return token
 
     def new_reply():
@@ -750,13 +791,30 @@ def use_extra_sampling(min_p, presence_penalty, vocab_size):
 #   <|im_start|>user\n{new message}<|im_end|>\n
 #   <|im_start|>assistant\n                       (+ <think>\n\n</think>\n\n for no thinking)
 #
-# The cache keeps the longest prefix it shares with the new ids, by setting `offset` back. Only a
-# prefix can be kept, as a token's keys and values depend on its position (RoPE) and all before it.
+# Prefilled whole, turn 3 of a chat with 48-token replies is 166 tokens. Keeping the cache, it is
+# 20 (docs/performance.md#chat-turns-what-keeping-the-cache-saves). So Chat keeps one cache. Each
+# turn, it reuses the longest prefix that the cached ids share with the new rendering. Setting
+# each layer's `offset` back to its end rolls the rest back: attention reads only up to `offset`,
+# and the next tokens overwrite what lies after it. Only a prefix can be kept, as a token's keys
+# and values depend on its position (RoPE) and on every token before it.
 #
-# The template rewrites history. Once a new message follows, it drops a reply's <think> block,
-# empty or not, unless cut off before </think>. So each turn rolls back to the last reply's start
-# and prefills its answer and the new message. Replies enter as the ids generated: their text,
-# tokenized again, could split otherwise.
+# The template rewrites history, and so sets how much is reused. Once a new message follows, a
+# reply that wrote </think> is rendered as what follows its last </think>, less leading newlines.
+# A reply cut off inside its <think> block stays whole. A reply made without thinking loses the
+# empty block that its prompt ended with (4 ids). An example, with Qwen3's tokenizer:
+#   turn 1  "Hi" renders as 9 ids, all prefilled. The reply is 9 ids, "<think>\nA greeting.\n
+#           </think>\n\nHello!", then <|im_end|>. generate() fed <|im_end|> too, in the step it
+#           queued before the id was known (section 11). So the cache holds 9 + 9 + 1 = 19
+#           positions, and cached_ids the first 18: the fed <|im_end|> is left out (see reply()).
+#   turn 2  "Bye" renders as 23 ids: turn 1's 9, "Hello!" (2 ids), "<|im_end|>\n" (2), and 10 for
+#           the new message and "<|im_start|>assistant\n". The first 9 agree with the cached ids,
+#           up to <think>. So 9 are reused, the 10 positions after them rolled back, 14 prefilled.
+# Replies enter the history as the ids generated. Their text, tokenized again, could split
+# otherwise, and then fewer ids would agree.
+# Try it: python llm_inference.py --chat
+# Chat replaces nothing. It calls generate_long() with a cache that holds a prefix, as generate()
+# allows. test_chat.py's test_prompt_ids_decode_to_the_official_template and
+# test_turns_reuse_the_cache_and_match_recomputing_everything show that this is safe.
 
 def chat_prompt(user, system=None, think=True):
     """One message in Qwen3's chat format. It ends by opening the assistant's turn, so the
@@ -804,7 +862,8 @@ class Chat:
         # A new draw per reply, the conversation repeatable from the seed.
         sampling = sampling._replace(seed=(sampling.seed + self.replies) % 2**64)
         self.replies += 1
-        # The leading ids cached. The last is fed again, for the reply's first token.
+        # Reuse the leading ids that agree with the cached ones, but never the last new id. It is
+        # fed again, as its logits give the reply's first token.
         self.reused = 0
         for cached, new in zip(self.cached_ids, ids[:-1]):
             if cached != new:
@@ -822,8 +881,9 @@ class Chat:
                 yield token_id, logits
         finally:  # done, closed by the caller, or Ctrl-C in generate()
             self.turns.append((message, reply))
-            # `offset` ids are cached, the least over the layers (Ctrl-C may stop a step midway).
-            # A fed <|im_end|>, not in `reply`, is left out.
+            # The cache holds the `offset` ids fed, the least over the layers (Ctrl-C may stop a
+            # step midway). An end id fed after the reply is not in `reply`, so the slice leaves
+            # its position out. A last id that max_tokens kept from being fed is dropped too.
             self.cached_ids = (ids + reply)[:min(c.offset for c in self.cache)]
 
 
