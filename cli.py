@@ -1004,6 +1004,7 @@ def stream(tokens, printer, on_first_logits=None):
             printer.add(token_id)  # <|im_end|> prints nothing
     except KeyboardInterrupt:
         interrupted = True
+        first = first if printer.n_tokens else time.perf_counter()  # in the prefill: it ran to now
         # generate() queues the next step before yielding a token: let it finish before the program
         # exits or goes on (quitting with GPU work queued has crashed other MLX programs).
         mx.synchronize()
@@ -1043,7 +1044,7 @@ def complete(tokens, tokenizer, text_stream, args, n_prompt, drawn=None, rounds=
 
 CHAT_HELP = ('/reset (or /clear) starts over; /exit (/quit, /bye, Ctrl-D) ends; /help shows this; '
              'Ctrl-C stops a reply; """ on a line of its own starts and ends a message of several '
-             'lines')
+             'lines, Ctrl-D inside one cancels it')
 COMMANDS = {"/exit": "exit", "/quit": "exit", "/bye": "exit", "/reset": "reset",
             "/clear": "reset", "/help": "help", "/?": "help"}
 
@@ -1078,6 +1079,9 @@ def read_message(interactive, group=None):
             if line is None or line.strip() == '"""':
                 break
             lines.append(line)
+        if line is None:  # Ctrl-D (the input's end) before the closing """
+            print("(message cancelled)", file=sys.stderr)
+            lines, error = [], None
         if error:
             raise error
         line = "\n".join(lines)
@@ -1157,6 +1161,11 @@ def chat_loop(chat, text_stream, max_tokens, sampling, eos_ids, hide_think, new_
             chat.reply(message, max_tokens, sampling, eos_ids, PREFILL.show), printer)
         if len(chat.turns) == n_turns:  # Ctrl-C before the reply began: nothing happened
             print("Interrupted.", file=status(True))
+        elif interrupted and not chat.turns[-1][1]:  # in the prefill: as if never sent
+            chat.turns.pop()  # the cache keeps what it computed: sent again, the prefill resumes
+            done = len(chat.cached_ids) - chat.reused  # the planned chat.prefilled, if all ran
+            print(f"Interrupted. {done} of {chat.prefilled} tokens prefilled{rate(done, prefill_s)}"
+                  " | The message is left out of the conversation", file=status(True))
         else:
             turn += 1
             n = len(chat.turns[-1][1])  # the reply as the history keeps it (without <|im_end|>)
