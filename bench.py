@@ -232,8 +232,10 @@ def print_primitives(counts, context=128):
     ours, theirs = counts["ours"], counts["mlx-lm"]
     print(f"primitives per decode step at {context} tokens of context: ours {sum(ours.values())}, "
           f"mlx-lm {sum(theirs.values())} (by kind: ours, mlx-lm)")
-    for kind in sorted(ours.keys() | theirs.keys(), key=lambda k: (-ours[k] - theirs[k], k)):
-        print(f"  {kind:<40} {ours[kind]:5} {theirs[kind]:6}")
+    kinds = sorted(ours.keys() | theirs.keys(), key=lambda k: (-ours[k] - theirs[k], k))
+    width = max(map(cli.columns, kinds), default=0)  # the longest kind's: the counts line up
+    for kind in kinds:
+        print(f"  {cli.pad(kind, width)} {ours[kind]:5} {theirs[kind]:6}")
 
 
 def checkpoint_names(config):

@@ -828,7 +828,13 @@ def shown(text):
 def columns(text):
     """The columns a terminal gives text: CJK characters take two, combining marks none."""
     return sum(0 if unicodedata.category(ch) in ("Mn", "Me", "Cf")
-               else 2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
+               else 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1 for ch in text)
+
+
+def pad(text, width):
+    """text and the spaces that fill `width` columns of a terminal (f"{text:<16}" counts
+    characters, so a table's columns shift after CJK text)."""
+    return text + " " * (width - columns(text))
 
 
 # GPT-2's byte-level alphabet, which Qwen's tokenizer.json uses: byte b is written as chr(b) when
@@ -853,19 +859,24 @@ def piece(tokenizer, token_id):
                    shown(part) if part else "" for i, part in enumerate(parts))
 
 
+# A token's columns in --top-probs' table (at least) and --trace's logit lens: the widest piece of
+# bytes, <0xF0><0x9F><0x98>, fits. 855 of Qwen's 151,669 tokens are wider ('ArgumentException').
+TOKEN_COLUMNS = 18
+
+
 def print_top_probs(logits, tokenizer, n, file=None, drawn=None):
     """The n likeliest next tokens and their probabilities, on file (sys.stderr at the call); with
     drawn(logits), the logits a draw uses (temperature, filters), its probabilities too."""
     file = file or sys.stderr
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
     chance = mx.softmax(drawn(logits), axis=-1) if drawn else None
-    print(f"{'rank':>4}  {'token':<16} {'id':>7}  probability" + "  sampled" * bool(drawn),
+    tokens = {i: piece(tokenizer, i) for i in mx.argsort(-probs)[:min(n, probs.size)].tolist()}
+    width = max(TOKEN_COLUMNS, *map(columns, tokens.values()))  # wider for a long token
+    print(f"{'rank':>4}  {pad('token', width)} {'id':>7}  probability" + "  sampled" * bool(drawn),
           file=file)
-    for rank, token_id in enumerate(mx.argsort(-probs)[:min(n, probs.size)].tolist(), 1):
-        token = piece(tokenizer, token_id)
-        print(f"{rank:>4}  {token}{' ' * (16 - columns(token))} {token_id:>7}  "
-              f"{probs[token_id].item():.4f}" + (f"  {chance[token_id].item():9.4f}" if drawn
-                                                 else ""), file=file)
+    for rank, (token_id, token) in enumerate(tokens.items(), 1):
+        print(f"{rank:>4}  {pad(token, width)} {token_id:>7}  {probs[token_id].item():.4f}" +
+              (f"  {chance[token_id].item():9.4f}" if drawn else ""), file=file)
 
 
 class TracePrinter:
@@ -895,7 +906,8 @@ class TracePrinter:
 
     def block(self, i, x, rms, top, p_top, pick, rank):
         print(f"block {i:>2} done: residual stream {self.shape(x)}, RMS {rms:.3f}, lens: "
-              f"{piece(self.tokenizer, top)} {p_top:.3f}, {piece(self.tokenizer, pick)} #{rank}")
+              f"{pad(piece(self.tokenizer, top), TOKEN_COLUMNS)} {p_top:.3f}, "
+              f"{piece(self.tokenizer, pick)} #{rank}")
 
     def final(self, logits):
         print(f"final RMSNorm + LM head -> logits {self.shape(logits)}; the next token's "

@@ -241,6 +241,19 @@ def test_the_primitives_total_counts_primitives_not_kinds(capsys):
     assert "ours 11," in first and "mlx-lm 14 " in first
 
 
+def test_the_primitives_table_lines_up_after_a_long_kind(capsys):
+    """Issue 41: a kind of primitive longer than the 40 columns it had shifted its counts."""
+    import collections
+    long_kind = "ScaledDotProductAttentionVectorFused" * 2
+    counts = {"ours": collections.Counter({"Add": 3, long_kind: 1}),
+              "mlx-lm": collections.Counter({"Add": 5, long_kind: 1})}
+    bench.print_primitives(counts)
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [row.split()[0] for row in rows] == ["Add", long_kind]
+    assert len({len(row) for row in rows}) == 1, rows  # the counts are as wide in each row
+    assert rows[0].split()[1:] == ["3", "5"] and rows[1].split()[1:] == ["1", "1"]
+
+
 # Issue 25: a run that looked hung, Ctrl-C, and the sizes the flags ask for (each test fails on the
 # bench.py before its fix).
 
