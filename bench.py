@@ -391,15 +391,18 @@ def main():
     dtype = cli.pick_dtype(args.dtype)
     li.use_fused_kernels()  # as the command line does (section 12) ...
     li.compile_model()  # ... and section 13
+    # --distributed times the model as the first table does: on the CPU, the tiny one too.
     instead = (args.matmul or args.cache_lengths or args.primitives or args.chat_turns
-               or args.distributed or args.draft_model)
+               or args.draft_model)
     if not instead and mx.default_device() == mx.cpu and not any(
             getattr(args, size) for size in ("tiny", "model", *FULL_RUN)):
         args.tiny = True
         vars(args).update(CPU_RUN)
-        print(f"on the CPU with no size flag: --tiny {flags(CPU_RUN)} (about a minute); the full "
-              f"run, the 0.6B shape with {flags(FULL_RUN)}, takes half an hour to hours on a CPU: "
-              f"any size flag asks for it, e.g. python bench.py --reps {FULL_RUN['reps']}", flush=True)
+        if mx.distributed.init().rank() == 0:  # under mlx.launch, process 0 alone prints
+            print(f"on the CPU with no size flag: --tiny {flags(CPU_RUN)} (about a minute); the full "
+                  f"run, the 0.6B shape with {flags(FULL_RUN)}, takes half an hour to hours on a "
+                  f"CPU: any size flag asks for it, e.g. python bench.py --reps {FULL_RUN['reps']}",
+                  flush=True)
     for size, default in FULL_RUN.items():
         if getattr(args, size) is None:
             setattr(args, size, default)

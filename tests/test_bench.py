@@ -329,6 +329,30 @@ def test_on_the_cpu_with_no_size_flag_the_run_is_short(tiny_folder, untimed, mon
         assert sorted(set(runs)) == [(5, 2), (128, 8), (128, 256), (2048, 8), (2048, 256)]
 
 
+def test_distributed_on_the_cpu_with_no_size_flag_runs_the_tiny_model(tiny_folder, monkeypatch,
+                                                                      capsys):
+    """Issue 41: bench.py --distributed without mlx.launch, on a CPU, wrote the 0.6B shape and ran
+    for minutes with no word of it. Now the tiny model and CPU_RUN's sizes, said as plain bench.py
+    says them. Nothing is timed here: only which runs are made."""
+    import tests.checkpoint
+
+    written, runs = [], []
+
+    def write_checkpoint(folder, config=None, *args, **kwargs):  # the tiny one, whatever is asked
+        written.append(config)
+        copy(tiny_folder, folder)
+        return folder
+
+    monkeypatch.setattr(tests.checkpoint, "write_checkpoint", write_checkpoint)
+    monkeypatch.setattr(bench, "timed", lambda run, prompt, n: runs.append((len(prompt), n)) or
+                        dict(ttft=0.01, prefill=100.0, decode=50.0, peak=0.1, tokens=[0] * n))
+    assert bench_main(monkeypatch, "--device", "cpu", "--distributed") is None
+    out = capsys.readouterr().out
+    assert out.startswith("on the CPU with no size flag: --tiny --prompt-lengths 128 "), out
+    assert written == [tests.checkpoint.TINY_CONFIG]
+    assert sorted(set(runs)) == [(128, 4), (128, 64)] and "128-token prompt, 64 tokens" in out
+
+
 def test_tiny_and_model_are_refused_together(monkeypatch, capsys):
     """Issue 32: bench.py --tiny --model X ran the tiny model, saying nothing of X."""
     monkeypatch.setattr(sys, "argv", ["bench.py", "--tiny", "--model", "Qwen/Qwen3-1.7B"])
