@@ -832,8 +832,7 @@ def columns(text):
 
 
 def pad(text, width):
-    """text and the spaces that fill `width` columns of a terminal (f"{text:<16}" counts
-    characters, so a table's columns shift after CJK text)."""
+    """text and the spaces that fill `width` columns of a terminal (f"{text:<16}" counts chars)."""
     return text + " " * (width - columns(text))
 
 
@@ -842,6 +841,9 @@ def pad(text, width):
 PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
 BYTE_OF = {chr(c): b for b, c in zip(PRINTABLE + [b for b in range(256) if b not in PRINTABLE],
                                      PRINTABLE + [256 + k for k in range(256 - len(PRINTABLE))])}
+# A token's columns in --top-probs' table (at least) and --trace's logit lens: the widest piece of
+# bytes, <0xF0><0x9F><0x98>, fits. 855 of Qwen's 151,669 tokens are wider ('ArgumentException').
+TOKEN_COLUMNS = 18
 
 
 def piece(tokenizer, token_id):
@@ -857,11 +859,6 @@ def piece(tokenizer, token_id):
     parts = re.split(r"([\udc80-\udcff]+)", raw.decode("utf-8", "surrogateescape"))
     return "".join("".join(f"<0x{ord(ch) - 0xDC00:02X}>" for ch in part) if i % 2 else
                    shown(part) if part else "" for i, part in enumerate(parts))
-
-
-# A token's columns in --top-probs' table (at least) and --trace's logit lens: the widest piece of
-# bytes, <0xF0><0x9F><0x98>, fits. 855 of Qwen's 151,669 tokens are wider ('ArgumentException').
-TOKEN_COLUMNS = 18
 
 
 def print_top_probs(logits, tokenizer, n, file=None, drawn=None):
@@ -945,8 +942,7 @@ class ReplyPrinter:
         elif self.hide_think and not self.answer_started:
             piece = piece.lstrip("\n")
             self.answer_started = bool(piece)
-        sys.stdout.write("" if hidden else piece)
-        sys.stdout.flush()
+        print("" if hidden else piece, end="", flush=True)
 
     def show_progress(self, clear=False):
         if self.progress and self.n_thinking:
@@ -958,8 +954,7 @@ class ReplyPrinter:
         if self.thinking:
             self.show_progress(clear=True)
             sys.stdout.write(self.PLAIN if self.colour and not self.hide_think else "")
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        print(flush=True)
 
 
 def check_logits(logits):
