@@ -232,8 +232,10 @@ def print_primitives(counts, context=128):
     ours, theirs = counts["ours"], counts["mlx-lm"]
     print(f"primitives per decode step at {context} tokens of context: ours {sum(ours.values())}, "
           f"mlx-lm {sum(theirs.values())} (by kind: ours, mlx-lm)")
-    for kind in sorted(ours.keys() | theirs.keys(), key=lambda k: (-ours[k] - theirs[k], k)):
-        print(f"  {kind:<40} {ours[kind]:5} {theirs[kind]:6}")
+    kinds = sorted(ours.keys() | theirs.keys(), key=lambda k: (-ours[k] - theirs[k], k))
+    width = max(map(cli.columns, kinds), default=0)  # the longest kind's: the counts line up
+    for kind in kinds:
+        print(f"  {cli.pad(kind, width)} {ours[kind]:5} {theirs[kind]:6}")
 
 
 def checkpoint_names(config):
@@ -393,15 +395,18 @@ def main():
     dtype = cli.pick_dtype(args.dtype)
     li.use_fused_kernels()  # as the command line does (section 12) ...
     li.compile_model()  # ... and section 13
+    # --distributed times the model as the first table does: on the CPU, the tiny one too.
     instead = (args.matmul or args.cache_lengths or args.primitives or args.chat_turns
-               or args.distributed or args.draft_model)
+               or args.draft_model)
     if not instead and mx.default_device() == mx.cpu and not any(
             getattr(args, size) for size in ("tiny", "model", *FULL_RUN)):
         args.tiny = True
         vars(args).update(CPU_RUN)
-        print(f"on the CPU with no size flag: --tiny {flags(CPU_RUN)} (about a minute); the full "
-              f"run, the 0.6B shape with {flags(FULL_RUN)}, takes half an hour to hours on a CPU: "
-              f"any size flag asks for it, e.g. python bench.py --reps {FULL_RUN['reps']}", flush=True)
+        if mx.distributed.init().rank() == 0:  # under mlx.launch, process 0 alone prints
+            print(f"on the CPU with no size flag: --tiny {flags(CPU_RUN)} (about a minute); the full "
+                  f"run, the 0.6B shape with {flags(FULL_RUN)}, takes half an hour to hours on a "
+                  f"CPU: any size flag asks for it, e.g. python bench.py --reps {FULL_RUN['reps']}",
+                  flush=True)
     for size, default in FULL_RUN.items():
         if getattr(args, size) is None:
             setattr(args, size, default)

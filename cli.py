@@ -886,7 +886,12 @@ def shown(text):
 def columns(text):
     """The columns a terminal gives text: CJK characters take two, combining marks none."""
     return sum(0 if unicodedata.category(ch) in ("Mn", "Me", "Cf")
-               else 2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
+               else 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1 for ch in text)
+
+
+def pad(text, width):
+    """text and the spaces that fill `width` columns of a terminal (f"{text:<16}" counts chars)."""
+    return text + " " * (width - columns(text))
 
 
 # GPT-2's byte-level alphabet, which Qwen's tokenizer.json uses: byte b is written as chr(b) when
@@ -894,6 +899,9 @@ def columns(text):
 PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
 BYTE_OF = {chr(c): b for b, c in zip(PRINTABLE + [b for b in range(256) if b not in PRINTABLE],
                                      PRINTABLE + [256 + k for k in range(256 - len(PRINTABLE))])}
+# A token's columns in --top-probs' table (at least) and --trace's logit lens: the widest piece of
+# bytes, <0xF0><0x9F><0x98>, fits. 855 of Qwen's 151,669 tokens are wider ('ArgumentException').
+TOKEN_COLUMNS = 18
 
 
 def piece(tokenizer, token_id):
@@ -917,13 +925,13 @@ def print_top_probs(logits, tokenizer, n, file=None, drawn=None):
     file = file or sys.stderr
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
     chance = mx.softmax(drawn(logits), axis=-1) if drawn else None
-    print(f"{'rank':>4}  {'token':<16} {'id':>7}  probability" + "  sampled" * bool(drawn),
+    tokens = {i: piece(tokenizer, i) for i in mx.argsort(-probs)[:min(n, probs.size)].tolist()}
+    width = max(TOKEN_COLUMNS, *map(columns, tokens.values()))  # wider for a long token
+    print(f"{'rank':>4}  {pad('token', width)} {'id':>7}  probability" + "  sampled" * bool(drawn),
           file=file)
-    for rank, token_id in enumerate(mx.argsort(-probs)[:min(n, probs.size)].tolist(), 1):
-        token = piece(tokenizer, token_id)
-        print(f"{rank:>4}  {token}{' ' * (16 - columns(token))} {token_id:>7}  "
-              f"{probs[token_id].item():.4f}" + (f"  {chance[token_id].item():9.4f}" if drawn
-                                                 else ""), file=file)
+    for rank, (token_id, token) in enumerate(tokens.items(), 1):
+        print(f"{rank:>4}  {pad(token, width)} {token_id:>7}  {probs[token_id].item():.4f}" +
+              (f"  {chance[token_id].item():9.4f}" if drawn else ""), file=file)
 
 
 class TracePrinter:
@@ -953,7 +961,8 @@ class TracePrinter:
 
     def block(self, i, x, rms, top, p_top, pick, rank):
         print(f"block {i:>2} done: residual stream {self.shape(x)}, RMS {rms:.3f}, lens: "
-              f"{piece(self.tokenizer, top)} {p_top:.3f}, {piece(self.tokenizer, pick)} #{rank}")
+              f"{pad(piece(self.tokenizer, top), TOKEN_COLUMNS)} {p_top:.3f}, "
+              f"{piece(self.tokenizer, pick)} #{rank}")
 
     def final(self, logits):
         print(f"final RMSNorm + LM head -> logits {self.shape(logits)}; the next token's "
@@ -991,8 +1000,7 @@ class ReplyPrinter:
         elif self.hide_think and not self.answer_started:
             piece = piece.lstrip("\n")
             self.answer_started = bool(piece)
-        sys.stdout.write("" if hidden else piece)
-        sys.stdout.flush()
+        print("" if hidden else piece, end="", flush=True)
 
     def show_progress(self, clear=False):
         if self.progress and self.n_thinking:
@@ -1004,8 +1012,7 @@ class ReplyPrinter:
         if self.thinking:
             self.show_progress(clear=True)
             sys.stdout.write(self.PLAIN if self.colour and not self.hide_think else "")
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        print(flush=True)
 
 
 def check_logits(logits):
@@ -1062,6 +1069,7 @@ def stream(tokens, printer, on_first_logits=None):
             printer.add(token_id)  # <|im_end|> prints nothing
     except KeyboardInterrupt:
         interrupted = True
+        first = first if printer.n_tokens else time.perf_counter()  # in the prefill: it ran to now
         # generate() queues the next step before yielding a token: let it finish before the program
         # exits or goes on (quitting with GPU work queued has crashed other MLX programs).
         mx.synchronize()
@@ -1101,7 +1109,7 @@ def complete(tokens, tokenizer, text_stream, args, n_prompt, drawn=None, rounds=
 
 CHAT_HELP = ('/reset (or /clear) starts over; /exit (/quit, /bye, Ctrl-D) ends; /help shows this; '
              'Ctrl-C stops a reply; """ on a line of its own starts and ends a message of several '
-             'lines')
+             'lines, Ctrl-D inside one cancels it')
 COMMANDS = {"/exit": "exit", "/quit": "exit", "/bye": "exit", "/reset": "reset",
             "/clear": "reset", "/help": "help", "/?": "help"}
 
@@ -1136,6 +1144,9 @@ def read_message(interactive, group=None):
             if line is None or line.strip() == '"""':
                 break
             lines.append(line)
+        if line is None:  # Ctrl-D (the input's end) before the closing """
+            print("(message cancelled)", file=sys.stderr)
+            lines, error = [], None
         if error:
             raise error
         line = "\n".join(lines)
@@ -1215,6 +1226,11 @@ def chat_loop(chat, text_stream, max_tokens, sampling, eos_ids, hide_think, new_
             chat.reply(message, max_tokens, sampling, eos_ids, PREFILL.show), printer)
         if len(chat.turns) == n_turns:  # Ctrl-C before the reply began: nothing happened
             print("Interrupted.", file=status(True))
+        elif interrupted and not chat.turns[-1][1]:  # in the prefill: as if never sent
+            chat.turns.pop()  # the cache keeps what it computed: sent again, the prefill resumes
+            done = len(chat.cached_ids) - chat.reused  # the planned chat.prefilled, if all ran
+            print(f"Interrupted. {done} of {chat.prefilled} tokens prefilled{rate(done, prefill_s)}"
+                  " | The message is left out of the conversation", file=status(True))
         else:
             turn += 1
             n = len(chat.turns[-1][1])  # the reply as the history keeps it (without <|im_end|>)

@@ -241,6 +241,19 @@ def test_the_primitives_total_counts_primitives_not_kinds(capsys):
     assert "ours 11," in first and "mlx-lm 14 " in first
 
 
+def test_the_primitives_table_lines_up_after_a_long_kind(capsys):
+    """Issue 41: a kind of primitive longer than the 40 columns it had shifted its counts."""
+    import collections
+    long_kind = "ScaledDotProductAttentionVectorFused" * 2
+    counts = {"ours": collections.Counter({"Add": 3, long_kind: 1}),
+              "mlx-lm": collections.Counter({"Add": 5, long_kind: 1})}
+    bench.print_primitives(counts)
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [row.split()[0] for row in rows] == ["Add", long_kind]
+    assert len({len(row) for row in rows}) == 1, rows  # the counts are as wide in each row
+    assert rows[0].split()[1:] == ["3", "5"] and rows[1].split()[1:] == ["1", "1"]
+
+
 # Issue 25: a run that looked hung, Ctrl-C, and the sizes the flags ask for (each test fails on the
 # bench.py before its fix).
 
@@ -314,6 +327,30 @@ def test_on_the_cpu_with_no_size_flag_the_run_is_short(tiny_folder, untimed, mon
         out = capsys.readouterr().out
         assert "no size flag" not in out and written == [None] * (size[0] == "--reps"), out
         assert sorted(set(runs)) == [(5, 2), (128, 8), (128, 256), (2048, 8), (2048, 256)]
+
+
+def test_distributed_on_the_cpu_with_no_size_flag_runs_the_tiny_model(tiny_folder, monkeypatch,
+                                                                      capsys):
+    """Issue 41: bench.py --distributed without mlx.launch, on a CPU, wrote the 0.6B shape and ran
+    for minutes with no word of it. Now the tiny model and CPU_RUN's sizes, said as plain bench.py
+    says them. Nothing is timed here: only which runs are made."""
+    import tests.checkpoint
+
+    written, runs = [], []
+
+    def write_checkpoint(folder, config=None, *args, **kwargs):  # the tiny one, whatever is asked
+        written.append(config)
+        copy(tiny_folder, folder)
+        return folder
+
+    monkeypatch.setattr(tests.checkpoint, "write_checkpoint", write_checkpoint)
+    monkeypatch.setattr(bench, "timed", lambda run, prompt, n: runs.append((len(prompt), n)) or
+                        dict(ttft=0.01, prefill=100.0, decode=50.0, peak=0.1, tokens=[0] * n))
+    assert bench_main(monkeypatch, "--device", "cpu", "--distributed") is None
+    out = capsys.readouterr().out
+    assert out.startswith("on the CPU with no size flag: --tiny --prompt-lengths 128 "), out
+    assert written == [tests.checkpoint.TINY_CONFIG]
+    assert sorted(set(runs)) == [(128, 4), (128, 64)] and "128-token prompt, 64 tokens" in out
 
 
 def test_tiny_and_model_are_refused_together(monkeypatch, capsys):

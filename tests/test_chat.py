@@ -417,6 +417,18 @@ def test_lines_between_two_triple_quote_lines_are_one_message(model, monkeypatch
     assert model[3].decode(first, skip_special_tokens=False) == li.chat_prompt(message)
 
 
+def test_ctrl_d_inside_triple_quotes_cancels_the_message(model, monkeypatch, capsys):
+    """Issue 41: \"\"\", a line, then Ctrl-D sent the unfinished message. Now it is cancelled, in
+    one line, and on a terminal the chat goes on (the next Ctrl-D ends it); /help says so."""
+    assert talk(make_chat(model), monkeypatch, b'"""\nUnfinished\n') == []  # piped input's end
+    lines = iter(['"""', "Unfinished", None, "Next", None])  # a terminal: Ctrl-D reads as None
+    monkeypatch.setattr(cli, "read_line", lambda interactive, prompt: next(lines))
+    assert [message for message, _ in talk(make_chat(model), monkeypatch, b"")] == ["Next"]
+    assert [line for line in capsys.readouterr().err.splitlines()
+            if not line.startswith("Turn ")] == ["(message cancelled)"] * 2
+    assert "Ctrl-D inside one cancels it" in cli.CHAT_HELP
+
+
 def test_piped_text_with_a_bom_and_crlf_gives_the_same_messages_as_plain_text(model, monkeypatch,
                                                                                capsys):
     unix = b'One\n"""\nTwo\nlines\n"""\n/RESET\nThree\n'

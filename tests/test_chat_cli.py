@@ -25,6 +25,7 @@ import pytest
 import cli
 import llm_inference as li
 from tests.checkpoint import TINY_CONFIG
+from tests.test_model import pieces_of
 from tests.test_cli import (  # noqa: F401 (fixtures)
     ERROR_PREFIX,
     PAUSED_LINE,
@@ -156,7 +157,7 @@ def test_reset_and_exit(tiny_model, reference, hf_tokenizer, tmp_path):
 
 CHAT_LINE = ("Chat: {how}, up to {n} tokens per reply. /reset (or /clear) starts over; /exit "
              "(/quit, /bye, Ctrl-D) ends; /help shows this; Ctrl-C stops a reply; \"\"\" on a line of "
-             "its own starts and ends a message of several lines.")
+             "its own starts and ends a message of several lines, Ctrl-D inside one cancels it.")
 
 
 def test_a_sampled_chat_draws_each_reply_with_the_next_seed(tiny_model, reference, hf_tokenizer,
@@ -565,6 +566,40 @@ def test_ctrl_c_before_a_reply_begins_leaves_the_chat_as_it_was(tiny_model, refe
     assert err[0] == "Interrupted."
     assert [int(t[2]) for t in turn_lines("\n".join(err))] == [1]  # "Hello" was answered
     assert [message for message, _ in chat.turns] == ["Hello"]
+
+
+def test_ctrl_c_in_a_prefill_drops_the_message_and_counts_what_was_prefilled(
+        reference, monkeypatch, capsys):
+    """Issue 41: Ctrl-C in a chat's prefill said "<all> prefilled at 0.0 tok/s", and kept the
+    message in the history (the next turn prefilled it whole). Now the stop line counts the tokens
+    prefilled, the message is dropped, and the cache keeps them: sent again, the prefill resumes."""
+    pieces_of(monkeypatch, 4)
+    message = "Tell me everything about the capital of France, its people and its rivers."
+    chat = li.Chat(reference.weights, reference.config, reference.tokenizer)
+    reused = []  # the interrupted turn's tokens reused from the cache
+
+    def show(done, total):  # Ctrl-C once, when the second 4-token piece of the message is in
+        if done == 8 and chat.turns and not reused:
+            reused.append(chat.reused)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.PREFILL, "show", show)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(f"Hi\n{message}\n{message}\n"
+                                                                  .encode())))
+    cli.chat_loop(chat, li.text_stream, 4, li.Sampling(), reference.eos_ids, hide_think=False)
+    err = capsys.readouterr().err.splitlines()
+    assert [m for m, _ in chat.turns] == ["Hi", message]  # the message once: sent again
+    reply = chat.turns.pop()[1]
+    ids = chat.prompt_ids(message)  # what turn 2 renders, as the interrupted turn did
+    (stop,) = [line for line in err if line.startswith("Interrupted.")]
+    assert re.fullmatch(rf"Interrupted\. 8 of {len(ids) - reused[0]} tokens prefilled, [\d.]+ "
+                        r"tok/s \| The message is left out of the conversation", stop), err
+    # Turn 2 (not 3) answers the message, its prefill resuming where Ctrl-C stopped it, with the
+    # reply of a fresh cache.
+    first, second = turn_lines("\n".join(err))
+    assert [int(first[2]), int(second[2])] == [1, 2] and not second[1]
+    assert [int(second[3]), int(second[3]) + int(second[4])] == [reused[0] + 8, len(ids)]
+    assert reply == greedy(reference, ids, 4)
 
 
 def test_ctrl_c_waits_for_the_queued_step(reference, monkeypatch, capsys):

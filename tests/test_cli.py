@@ -216,7 +216,7 @@ def test_top_probs_table(tiny_model, reference, greedy_24, tmp_path):
     text, lines, _, n_generated = parse_success(
         run_cli("--model", tiny_model, "--max-tokens", 24, "--top-probs", 5, cwd=tmp_path))
     assert text == greedy_24 and n_generated == 24
-    header = lines.index("rank  token                 id  probability")
+    header = lines.index("rank  token                   id  probability")
     rows = lines[header + 1:-1]
     assert len(rows) == 5, lines
     parsed = [re.fullmatch(r"\s*(\d+)  (.+?)\s+(\d+)  (\d\.\d{4})", row) for row in rows]
@@ -477,7 +477,7 @@ def test_trace_narrates_one_forward_pass(tiny_model, reference, tmp_path, flags)
     # The top-5 table ends the trace, headed by the pick.
     assert rest[1 + c.num_hidden_layers:] == [
         f"final RMSNorm + LM head -> logits ({c.vocab_size},) float32; the next token's "
-        "probabilities:", "rank  token                 id  probability", *rest[-5:]], rest
+        "probabilities:", "rank  token                   id  probability", *rest[-5:]], rest
     table = [re.fullmatch(r"\s*(\d+)  (.+?)\s+(\d+)  (\d\.\d{4})", row) for row in rest[-5:]]
     assert all(table), rest[-5:]
     assert [int(m[1]) for m in table] == [1, 2, 3, 4, 5]
@@ -1953,22 +1953,43 @@ def test_nan_logits_are_one_line_not_text(tiny_model, tmp_path, flags):
     assert not re.search(r"\bnan\b", "\n".join(lines[:-1])), err  # the folder's path may say nan
 
 
-def test_the_top_probs_table_lines_up_wide_and_combining_characters(tiny_model, capsys):
+# The columns a terminal gives a character, as wcwidth counts them: East Asian wide characters 2,
+# combining marks 0.
+WIDTH = lambda ch: (0 if unicodedata.category(ch) in ("Mn", "Me", "Cf") else
+                    2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1)
+
+
+@pytest.mark.parametrize("long_token", [[], [14343, 75360]], ids=["short", "long"])
+def test_the_top_probs_table_lines_up_wide_and_combining_characters(tiny_model, capsys,
+                                                                    long_token):
     """CJK characters take two columns of a terminal and Thai's combining vowel marks none: the
-    table pads each token by the columns it takes, so the id column lines up."""
+    table pads each token by the columns it takes, so the id column lines up. Issue 41: a token
+    wider than the column ('ArgumentException', 19; bytes <0xF0><0x9F><0x98>, 18) shifted it."""
     tokenizer = li.load_tokenizer(tiny_model)
-    ids = [107672, 47171, 93874, 145080, 12095]  # '领导人', 'ี่' (marks only), 'การ', '🙂', ' Paris'
-    logits = mx.full((tokenizer.get_vocab_size(),), -100.0)
-    logits[mx.array(ids)] = mx.array([5.0, 4.0, 3.0, 2.0, 1.0])
-    cli.print_top_probs(logits, tokenizer, 5, file=sys.stdout)
-    rows = capsys.readouterr().out.splitlines()[1:]
-    assert [int(row.split()[-2]) for row in rows] == ids
-    # Each row up to its (right-aligned) id, in the columns a terminal gives it (as wcwidth counts
-    # them: East Asian wide characters 2, combining marks 0): the same for all.
-    width = lambda ch: (0 if unicodedata.category(ch) in ("Mn", "Me", "Cf") else
-                        2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1)
-    starts = {sum(map(width, row.rsplit("  ", 1)[0])) for row in rows}
+    ids = [107672, 47171, 93874, 145080, 12095] + long_token  # '领导人', 'ี่' (marks only), 'การ',
+    logits = mx.full((tokenizer.get_vocab_size(),), -100.0)  # '🙂', ' Paris'
+    logits[mx.array(ids)] = mx.arange(len(ids), 0, -1).astype(mx.float32)
+    cli.print_top_probs(logits, tokenizer, len(ids), file=sys.stdout)
+    rows = capsys.readouterr().out.splitlines()
+    assert [int(row.split()[-2]) for row in rows[1:]] == ids
+    # Each row up to its (right-aligned) id, in the columns a terminal gives it: the same for all,
+    # the header's too.
+    starts = {sum(map(WIDTH, row.rsplit("  ", 1)[0])) for row in rows}
     assert len(starts) == 1, rows
+
+
+def test_the_trace_lines_up_the_logit_lens_after_wide_tokens(tiny_model, capsys):
+    """Issue 41: --trace's lens probability came right after the token, so it moved with its
+    width: after CJK (2 columns a character) or a piece of bytes (<0xF0><0x9F><0x98>, 18)."""
+    tokenizer = li.load_tokenizer(tiny_model)
+    printer = cli.TracePrinter(tokenizer, [12095])
+    capsys.readouterr()
+    x = mx.zeros((1, 64))
+    for top in (12095, 107672, 75360):  # ' Paris', '领导人', <0xF0><0x9F><0x98>
+        printer.block(0, x, 1.0, top, 0.5, 12095, 1)
+    rows = capsys.readouterr().out.splitlines()
+    assert len(rows) == 3 and len({sum(map(WIDTH, row[:row.index(" 0.500, ")]))
+                                   for row in rows}) == 1, rows
 
 
 def test_a_seed_without_sampling_warns_like_top_k(tiny_model, capsys):
@@ -2300,7 +2321,7 @@ def test_the_top_probs_table_shows_the_distribution_the_first_token_is_drawn_fro
     assert li.main(["--model", str(tiny_model), "--max-tokens", "1", "--seed", "5",
                     "--top-probs", str(n_rows), *flags]) == 0
     lines = stderr_lines(capsys.readouterr().err)
-    header = "rank  token                 id  probability"
+    header = "rank  token                   id  probability"
     if settings is None:
         assert header in lines and not any("sampled" in line for line in lines), lines
         return

