@@ -1,9 +1,6 @@
-"""The program around llm_inference.py: everything `python llm_inference.py` does besides the model.
-
-No need to read it to learn inference: llm_inference.py is the walkthrough, and its main() shows
-how the two fit. Here are the folder checks (a broken file is one line, not a traceback), the
-download, the flags, the printing, the chat loop, the plumbing of mlx.launch's processes and the
-top-level error handler. It imports nothing from llm_inference.py."""
+"""The program around llm_inference.py, whose main() shows how the two fit: the folder checks (a
+broken file is one line, not a traceback), the download, the flags, the printing, the chat loop,
+mlx.launch's processes and the top-level error handler. It imports nothing from llm_inference.py."""
 
 import argparse
 import contextlib
@@ -90,9 +87,8 @@ def read_json(path, fix="re-download it"):
 
 def is_number(value, kind=float):
     """Whether a JSON value is a number of `kind` below 1e308 (float takes ints; true is none)."""
-    if isinstance(value, bool) or not isinstance(value, int if kind is int else (int, float)):
-        return False
-    return kind is int or abs(value) < 1e308  # not NaN, infinite, or an int too large (10**400)
+    return (not isinstance(value, bool) and isinstance(value, int if kind is int else (int, float))
+            and (kind is int or abs(value) < 1e308))  # not NaN, infinite, or an int too large
 
 
 def plural(n, word):
@@ -106,8 +102,7 @@ def name_of(dtype):
 # --- The model folder: everything llm_inference.py's loaders assume, each failure one line -------
 
 def check_config(model_dir, fields, bits=None):
-    """config.json: a Qwen3 with the fields (name -> type) of its model_type (MODEL_TYPES), or
-    fields alone. Returns its "quantization" entry ({}: weights stored as floats)."""
+    """config.json, a Qwen3 with the fields (name -> type) of its model_type, or fields alone."""
     path = Path(model_dir) / "config.json"
     raw = read_json(path)
     found, rope = raw.get("model_type"), raw.get("rope_parameters") or {}
@@ -193,8 +188,7 @@ def weight_files(model_dir):
 
 
 def tensor_shapes(config, layer_shapes, has_experts=None):
-    """Every tensor Part 1 loads, with its shape. layer_shapes(c): a block's. A block with experts
-    (has_experts(c, i), section 21) stores a router and each expert's SwiGLU in place of its own."""
+    """Every tensor Part 1 loads, with its shape; a block with experts (section 21) has theirs."""
     c = config
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
               "model.norm.weight": (c.hidden_size,)}
@@ -354,8 +348,7 @@ def check_split(model_dir, config, n, bits, stored, can_split):
 
 def check_draft(args, model_dir, config, read_config, layer_shapes, read_tokenizer,
                 has_experts=None):
-    """--draft-model's folder, checked as --model's, able to serve the model (section 22); returns
-    (folder, its config, its "quantization") or None. read_...: llm_inference's load_config, ..."""
+    """--draft-model's folder, checked as --model's and able to serve the model (section 22)."""
     if not args.draft_model:
         return None
     if mx.distributed.init().size() > 1:  # each process would need its share of the draft too
@@ -418,8 +411,7 @@ def gpu_working_set():
 
 def check_memory(needed, available, dtype, working_set=None, margin=0, what=""):
     """Refuse weights larger than the memory available, or on a Mac than the GPU's working set,
-    before reading gigabytes only to be killed or to swap. Warn when they fit, but not with
-    `margin` more (the KV cache and activations). what: said of the weights."""
+    before reading gigabytes only to be killed or to swap; warn when `margin` more would not fit."""
     smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
     fix = f"try {smaller}--quantize 4, or a smaller model"
     if working_set and needed > working_set:
@@ -792,9 +784,8 @@ def max_tokens(args, context):
 
 
 def sampling_settings(args, generation_config, sampling_type, group):
-    """(sampling_type(temperature, top_k, top_p, seed), min_p, presence penalty). Flags win; --chat
-    then takes Qwen's recommendations, completion transformers' (greedy unless --temperature is
-    given). In a group, all take process 0's seed, so that all draw the same tokens."""
+    """Flags win; --chat then takes Qwen's recommendations, completion transformers' (greedy unless
+    --temperature is given). In a group, all take process 0's seed: all draw the same tokens."""
     if args.chat:
         recommended = QWEN3_NO_THINK if args.no_think else QWEN3_THINKING | generation_config
     else:
@@ -841,8 +832,7 @@ def check_prompt(prompt_ids, config, max_new, trace):
 
 def print_header(model_arg, model_dir, config, n, dtype, weights, how, max_tokens, prompt=None,
                  n_prompt=0):
-    """Model: ... (a repo id or folder as given, and where its weights are), an OpenBLAS hint,
-    then Prompt: ..., or Chat: ... for a chat (prompt None)."""
+    """Model: ..., an OpenBLAS hint, then Prompt: ..., or Chat: ... for a chat (prompt None)."""
     repo = model_arg and not Path(model_arg).exists() and repo_id(model_arg)
     folder = os.path.abspath(model_dir)  # a link named as given, not as its target
     c, matrices = config, [weights["embed_tokens"], weights["lm_head"],
@@ -861,8 +851,7 @@ def print_header(model_arg, model_dir, config, n, dtype, weights, how, max_token
           f"{f' x {n} processes' if n > 1 else ''}, {name_of(dtype)}"
           f"{f', {bits}-bit weights' if bits else ''}"
           f"{f' (partly quantized: {share}% of the parameters)' * (share < 100) if bits else ''}"
-          f", from "
-          f"{'the Hugging Face cache' if repo else folder}", file=sys.stderr)
+          f", from {'the Hugging Face cache' if repo else folder}", file=sys.stderr)
     if MLX_CPU_WHEEL and not OPENBLAS:
         print(OPENBLAS_HINT, file=sys.stderr)
     if prompt is None:
@@ -1081,7 +1070,7 @@ def stream(tokens, printer, on_first_logits=None):
 
 
 def drafted(rounds, n):
-    """' | Draft: 40/48 accepted (83%), ...' for n tokens and section 22's rounds, else ''."""
+    """' | Draft: 40/48 accepted (83%), ...' for n tokens and a draft model's rounds, else ''."""
     if not rounds:
         return ""
     accepted, proposed = map(sum, zip(*rounds))
@@ -1090,8 +1079,7 @@ def drafted(rounds, n):
 
 
 def complete(tokens, tokenizer, text_stream, args, n_prompt, drawn=None, rounds=None):
-    """Print a completion as it comes (and --top-probs' table), then the statistics; exit code.
-    rounds: section 22's, when a draft model proposes the tokens."""
+    """Print a completion as it comes (and --top-probs' table), then the statistics; exit code."""
     printer = ReplyPrinter(tokenizer, text_stream, args.hide_think)
     top_probs = args.top_probs and (lambda logits: print_top_probs(
         logits, tokenizer, args.top_probs, drawn=drawn))
@@ -1185,8 +1173,7 @@ def check_chat_room(n_format, max_tokens, context, system):
 
 def chat_loop(chat, text_stream, max_tokens, sampling, eos_ids, hide_think, new_reply=lambda: None,
               group=None, rounds=None):
-    """Talk until end of input, Ctrl-D or /exit; new_reply() runs before each reply (section 17);
-    rounds: section 22's, when a draft model proposes the tokens."""
+    """Talk until the input ends or /exit; new_reply() runs before each reply (section 17)."""
     interactive = sys.stdin.isatty()
     if interactive:
         if hasattr(sys.stdin, "reconfigure"):  # bytes not UTF-8 then reach as_text: one line
