@@ -559,7 +559,7 @@ def compile_model():
 # Metal scaled_dot_product_attention.cpp: "sdpa_full" over 8 queries, "sdpa_vector" up to 8).
 #
 # Try it: `python llm_inference.py --prompt - < README.md` shows a prefill's progress on stderr
-# within seconds on a CPU, and Ctrl-C stops it. It replaces nothing: main() calls generate_long().
+# within seconds on a CPU, and Ctrl-C stops it. Nothing is replaced: main() calls generate_long().
 
 PREFILL_CHUNK = 1024  # tokens in a piece, at most
 SHORT_PROMPT = 32  # a prompt this short goes through generate() in one pass
