@@ -454,8 +454,7 @@ def generate(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_i
 #   22. speculative       make_cache, generate_long (14)  --draft-model
 
 def replace(**functions):
-    """From now on, calls by these names (Part 1's or section 14's functions) run the functions
-    given. A misspelt name would replace nothing, so it is refused."""
+    """Rebind these names (see above). A misspelt one would replace nothing, so it is refused."""
     unknown = set(functions) - set(globals())
     if unknown:
         raise NameError(f"no function {', '.join(sorted(unknown))} to replace")
@@ -473,9 +472,8 @@ def replace(**functions):
 # once and writes the result once. A decode step of Qwen3-0.6B normalises 113 times (4 times a
 # block, then the final norm): 113 kernels, not 1,017.
 # mx.fast's fused kernels for RMSNorm, RoPE and attention do Part 1's math, to rounding, as
-# tests/test_ops.py checks both ways against MLX's own layers (test_rms_norm_matches_mlx,
-# test_apply_rope_matches_nn_rope, test_attention_matches_mlx_sdpa). On a CPU, mx.fast runs the
-# same separate operations: docs/performance.md#fused-kernels---reference-ops measures no gain.
+# tests/test_ops.py checks both ways against MLX's own layers. On a CPU, mx.fast runs the same
+# separate operations: docs/performance.md#fused-kernels---reference-ops measures no gain.
 # Try it: on a Mac, compare the decode rate of `python llm_inference.py` and of its --reference-ops.
 
 def fused_rms_norm(x, weight, eps):
@@ -519,8 +517,7 @@ def use_fused_kernels():
 # the seed, which filter_logits never reads. Left in, each new seed would trace again (a chat
 # draws one per reply), and a seed from 2**63 on fails, as MLX keys traces on signed 64-bit
 # integers. So the seed is set to 0 first: a trace per Sampling, not per seed.
-# The same operations, to rounding, as tests/test_model.py's test_compiled_filter_logits_* and
-# tests/test_cli.py's test_no_cache_and_no_compile_give_the_same_greedy_text check.
+# The same operations, to rounding, as tests/test_model.py and tests/test_cli.py check.
 # Try it: `python bench.py --primitives` counts a Compiled... kind per block, not silu_gate's parts.
 
 compiled_silu_gate = mx.compile(silu_gate, shapeless=True)
@@ -548,30 +545,27 @@ def compile_model():
 #   2. 92 tokens are left, more than 21: a piece of 64 (a power of two, below), 9 layers per
 #      mx.eval() (9 x 64 = 576 tokens' worth).
 #   3. 28 left: a piece of 16, all 28 layers in one mx.eval(). The last 12 go through generate().
-# On a GPU, a layer runs thousands of tokens in 0.2 s. There, once timed, a prompt of up to
-# PREFILL_CHUNK tokens goes through generate() in one pass, as in Part 1. A prompt of at most
+# On a GPU, a layer runs far more tokens in 0.2 s (the page above). There, once timed, a prompt of
+# up to PREFILL_CHUNK tokens goes through generate() in one pass, as in Part 1. A prompt of at most
 # SHORT_PROMPT tokens always does: on a CPU, each piece would read all the weights again.
 #
 # Piece sizes are powers of two, so that a GPU meets few distinct shapes. A new shape costs time
 # the first time: MLX's CUDA backend compiles some kernels for it (kept on disk in
 # $MLX_PTX_CACHE_DIR, by default /tmp/mlx/<version>/ptx), as mx.compile does (section 13).
 #
-# Pieces also bound memory. attend() (--reference-ops), and MLX's fused attention on a CPU, build a
-# piece's scores at once: (heads, piece, total) numbers, not (heads, total, total). On a Mac's GPU,
-# the fused kernel (section 12) for heads of 128 channels never builds them: it reads the keys in
-# tiles (MLX's Metal scaled_dot_product_attention.cpp: "sdpa_full" over 8 queries, "sdpa_vector"
-# up to 8).
+# Pieces also bound memory. attend() builds a piece's scores at once, as MLX's fused attention
+# (section 12) does on a CPU: (heads, piece, total) numbers, not (heads, total, total). On a Mac's
+# GPU, for heads of 128 channels, that kernel never builds them. It reads the keys in tiles (MLX's
+# Metal scaled_dot_product_attention.cpp: "sdpa_full" over 8 queries, "sdpa_vector" up to 8).
 #
 # Try it: `python llm_inference.py --prompt - < README.md` shows a prefill's progress on stderr
-# after a second or so on a CPU, and Ctrl-C stops it. This section replaces no function: main()
-# calls generate_long(), which calls generate() for the last piece.
+# within seconds on a CPU, and Ctrl-C stops it. Nothing is replaced: main() calls generate_long().
 
 PREFILL_CHUNK = 1024  # tokens in a piece, at most
 SHORT_PROMPT = 32  # a prompt this short goes through generate() in one pass
 LAYER_SECONDS = 0.2  # how long one mx.eval() of a piece should take: what Ctrl-C may wait
 FIRST_GUESS = 8  # tokens a layer runs in LAYER_SECONDS, before a model's first piece is timed
-layer_tokens = {}  # the same, as last measured, per model (by id() of its weights): a draft's and
-#                    its target's (section 22) differ
+layer_tokens = {}  # the same, last measured, per model (by id() of its weights): a draft is faster
 
 
 def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
@@ -610,16 +604,14 @@ def tokens_per_layer(size, seconds):
 # again. For a prompt of 5 tokens and 3 new ones, generate() runs 5 + 1 + 1 = 7 positions through
 # the model. This function runs 5 + 6 + 7 = 18, and the gap grows with each token. At 512 tokens
 # of context, a CPU decoded 9.2x slower (docs/performance.md#the-kv-cache---no-cache).
-# The logits are the same to rounding (on a Linux CPU, bit for bit: the same page). A row of a
-# (seq, in) product may be summed in another order than a (1, in) product.
 # Try it: python bench.py --tiny --device cpu --cache-lengths 12 128 512
-# main() calls it instead of generate_long() (section 14). It is safe: the same tokens, and logits
-# within 1e-4 (test_without_the_cache_the_tokens_and_logits_are_the_same, tests/test_model.py).
+# main() calls it instead of generate_long() (section 14). It is safe: the tokens are the same,
+# and the logits to rounding (on a Linux CPU, bit for bit: the same page), as tests/test_model.py
+# checks. A row of a (seq, in) product may be summed in another order than a (1, in) product.
 
 def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sampling(),
                            eos_ids=()):
-    """generate() without a KV cache: every step runs the whole sequence so far through the model,
-    with a fresh, empty cache. The same tokens, for work per token that grows with the sequence."""
+    """generate() without a KV cache: each step runs the whole sequence so far, in a fresh cache."""
     token_ids, key = list(prompt_ids), mx.random.key(sampling.seed)
     for _ in range(max_tokens):
         logits = forward(mx.array(token_ids), weights, config, make_cache(config))
@@ -658,8 +650,7 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
 # (docs/performance.md#quantized-weights, with the effect on one layer's products).
 # Try it: python llm_inference.py --quantize 4
 # use_quantization() replaces load_tensor, linear and embed. Other weights take Part 1's math.
-# test_quantize.py finds it is mlx-lm's: test_quantize_at_load_equals_mlx_lm_convert and
-# test_quantized_model_matches_mlx_lm_on_the_converted_folder.
+# tests/test_quantize.py finds it is mlx-lm's: the weights mlx_lm.convert writes, and the logits.
 
 GROUP_SIZE = 64  # weights sharing one scale and bias (mlx-lm's default)
 
@@ -706,8 +697,8 @@ def quantized_embed(token_ids, table):
 
 
 def use_quantization(bits=None, stored=None):
-    """Replaces load_tensor, linear and embed. stored: config.json's "quantization" in a folder
-    mlx_lm.convert wrote: {"group_size": 64, "bits": 4, ...}, and entries for some layers."""
+    """stored: config.json's "quantization" in a folder that mlx_lm.convert wrote:
+    {"group_size": 64, "bits": 4, ...}, and entries for some layers."""
     stored = stored or {}
 
     def load_quantized(tensors, name, dtype):
@@ -742,9 +733,7 @@ def use_quantization(bits=None, stored=None):
 # 0.5. The prompt's tokens are spared.
 # Try it: python llm_inference.py --min-p 0.05 --temperature 0.7 --top-probs 5
 # use_extra_sampling() replaces sample() (section 10). With min_p 0 and no penalty, it draws as
-# sample() does. test_chat.py checks min-p against transformers' in
-# test_the_filters_chained_keep_what_transformers_keeps, and the penalty in
-# test_generate_applies_the_presence_penalty_to_the_reply_so_far.
+# sample() does. tests/test_chat.py checks min-p against transformers', and the penalty.
 
 def filter_min_p(logits, min_p):
     """Min-p, on logits that filter_logits() has divided and filtered: the rest become -inf."""
@@ -753,7 +742,7 @@ def filter_min_p(logits, min_p):
 
 
 def use_extra_sampling(min_p, presence_penalty, vocab_size):
-    """Replaces sample() (section 10). Call the new_reply() it returns before each reply."""
+    """Call the new_reply() it returns before each reply."""
     # 1 for each token of the reply so far. An MLX array, as generate() records step n + 1 on token
     # n before token n is computed (section 11). A Python set would wait for each (token.item()).
     in_reply = mx.zeros(vocab_size)  # (vocab,)
@@ -813,8 +802,7 @@ def use_extra_sampling(min_p, presence_penalty, vocab_size):
 # otherwise, and then fewer ids would agree.
 # Try it: python llm_inference.py --chat
 # Chat replaces nothing. It calls generate_long() with a cache that holds a prefix, as generate()
-# allows. test_chat.py's test_prompt_ids_decode_to_the_official_template and
-# test_turns_reuse_the_cache_and_match_recomputing_everything show that this is safe.
+# allows. tests/test_chat.py checks the ids against the template, and reuse against recomputing.
 
 def chat_prompt(user, system=None, think=True):
     """One message in Qwen3's chat format. It ends by opening the assistant's turn, so the
@@ -944,8 +932,8 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 # --- 20. Several machines: one model split across processes (tensor parallelism) ------------------
 #
 # Qwen3-32B takes 65.5 GB in bfloat16, more than most Macs have. Split over 2 processes, each holds
-# 34.3 GB, and over 4, 18.7 GB. The price is two exchanges over the link per block, for each token
-# (docs/performance.md#several-processes).
+# 34.3 GB, and over 4, 18.7 GB. The price is two exchanges over the link per block, for each token.
+# Over TCP, a split model decoded many times slower (docs/performance.md#several-processes).
 #
 # The idea, for one product y = x Wᵀ (section 6's linear(), W stored (out, in)) and 2 processes:
 #   x = [1, 2, 3, 4]    W = [[1, 0, 0, 1],    y = [1+4, 2+3, 1+2, 3+4] = [5, 5, 3, 7]
@@ -992,15 +980,13 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 # 16, and `x + attention` is whole again, (5, 1024): the all_sum added the heads' parts up.
 # It replaces Part 1's load_tensor (to keep a process's rows or columns), attention and swiglu (to
 # all_sum their outputs), and section 14's tokens_per_layer (below). That is safe. Each output
-# sums the same products, in another order, so it is the same to rounding. In
-# tests/test_distributed.py, test_logits_match_mlx_lms_sharded_model and
-# test_two_processes_write_what_one_writes check it against mlx-lm and against one process.
+# sums the same products, in another order, so it is the same to rounding, as
+# tests/test_distributed.py checks against mlx-lm's split model and against one process.
 #
-# Each all_sum is a round trip over the link, 56 per token for Qwen3-0.6B's 28 blocks. Over TCP,
-# that made a split model decode many times slower (docs/performance.md). With RDMA's microseconds,
-# a split pays for a model too big for one machine. Pipeline parallelism instead gives each machine
-# whole layers, say 0-31 and 32-63, and a token crosses the link once per boundary. But the
-# machines take turns unless several sequences are in flight, so one chat gains memory, not speed.
+# With RDMA's microseconds per exchange, a split pays for a model too big for one machine.
+# Pipeline parallelism instead gives each machine whole layers, say 0-31 and 32-63, and a token
+# crosses the link once per boundary. But the machines take turns unless several sequences are in
+# flight, so one chat gains memory, not speed.
 
 SPLIT_ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 SPLIT_COLUMNS = ("o_proj", "down_proj")
@@ -1026,7 +1012,6 @@ def can_split(config, n, group_size=None):
 
 
 def use_tensor_parallelism(group):
-    """Replaces load_tensor, attention, swiglu and tokens_per_layer, as said above."""
     load_whole = load_tensor  # section 16's or 21's, if they replaced it already
     n = group.size()
     rank = group.rank()  # this process, 0 to n - 1
@@ -1046,13 +1031,11 @@ def use_tensor_parallelism(group):
         mx.eval(parts)
         return Quantized(*parts, *weight[3:]) if isinstance(weight, Quantized) else parts[0]
 
-    # attention's and swiglu's outputs, (seq, 1024) parts of sums, each made whole by one all_sum.
     summed = lambda function: lambda *args: mx.distributed.all_sum(function(*args), group=group)
-    # Section 14 sizes each piece of a prompt by how long the last took on this process's clock.
-    # But each all_sum must meet arrays of one shape in every process, or it sums wrong or loses
-    # the connection. So all cut a prompt alike, by process 0's measure. Each hands in its measure
+    # Each all_sum must meet arrays of one shape in every process, or it sums wrong or loses the
+    # connection. So all cut a prompt alike, by process 0's measure. Each hands in its measure
     # times (rank == 0), True (1) on process 0 only. The sum that all get is process 0's measure.
-    pace = tokens_per_layer  # each process times its own pieces, but all cut a prompt alike
+    pace = tokens_per_layer  # section 14's: each process times its pieces on its own clock
     first = lambda *args: mx.distributed.all_sum(pace(*args) * (rank == 0), group=group).item()
     replace(load_tensor=load_share, attention=summed(attention), swiglu=summed(swiglu),
             tokens_per_layer=first)
@@ -1092,10 +1075,10 @@ def use_tensor_parallelism(group):
 # Try it: `python llm_inference.py --model Qwen/Qwen3-30B-A3B --quantize 4` (17.6 GB: the README's
 # table). The page linked above writes a small random mixture in one line, for bench.py.
 #
-# It replaces layer_shapes, load_tensor and swiglu, for a qwen3_moe model only (use_experts below).
-# A dense block still runs Part 1's swiglu. tests/test_moe.py checks the logits against transformers
-# and mlx-lm (test_logits_and_greedy_tokens_match_transformers_and_mlx_lm), and the mixture, sorted
-# or not, against a loop over each token's experts: test_mixture_is_a_loop_over_each_tokens_experts.
+# It replaces layer_shapes (a block gains the router), load_tensor (it stacks a block's experts)
+# and swiglu, for a qwen3_moe model only. A dense block still runs Part 1's swiglu.
+# tests/test_moe.py checks the logits against transformers and mlx-lm, and the mixture, sorted or
+# not, against a loop over each token's experts.
 
 MOE_FIELDS = {  # config.json's fields for experts (Qwen3-30B-A3B's values)
     "num_experts": int,  # 128 experts in a block ...
@@ -1122,8 +1105,7 @@ def has_experts(config, i):
 
 def route(x, router, k, norm_topk_prob):
     """x (seq, 2048) -> each token's k experts (seq, 8) and their weights (seq, 8). Softmax keeps
-    the scores' order, so the likeliest are the best-scored. Their probabilities rescaled to add up
-    to 1 are the softmax of their scores alone."""
+    the scores' order, so the likeliest are the best-scored."""
     scores = linear(x, router)  # (seq, 128)
     # mx.argpartition: each row's indices, reordered so that the k largest scores' come last.
     chosen = mx.argpartition(scores, -k, axis=-1)[:, -k:]  # (seq, 8) expert ids
@@ -1161,15 +1143,13 @@ def mixture(x, layer, k, norm_topk_prob):
 
 
 def use_experts(config, bits=None):
-    """Replaces layer_shapes (a block gains the router), load_tensor (it stacks a block's experts)
-    and swiglu. bits: --quantize, with routers at 8 bits, as in mlx-lm."""
+    """bits: --quantize, with routers at 8 bits, as in mlx-lm."""
     shapes, load_one, dense = layer_shapes, load_tensor, swiglu
 
     def load_stacked(tensors, name, dtype):
         *block, kind, _ = name.split(".")  # model, layers, {i}, mlp; gate_proj; weight
         if block[3:] != ["mlp"] or not has_experts(config, int(block[2])):
-            # with_router (below) lists a router in every block, but a dense block has none in
-            # the file. None marks the block dense, for `either` (below).
+            # with_router (below) gives every block a router. A dense block has none in the file.
             return None if kind == "gate" else load_one(tensors, name, dtype)
         block = ".".join(block)
         if kind == "gate" and bits and f"{block}.gate.scales" not in tensors:  # the router
@@ -1184,7 +1164,7 @@ def use_experts(config, bits=None):
         return load_one(tensors, name if kind == "gate" else stacked, dtype)
 
     with_router = lambda c: shapes(c) | {"mlp.gate.weight": (config.num_experts, c.hidden_size)}
-    # A dense block's "gate" is None, and a draft's blocks (section 22) have none: Part 1's swiglu.
+    # None marks a dense block, and a draft's blocks (section 22) have no "gate": Part 1's swiglu.
     either = lambda x, layer: dense(x, layer) if layer.get("gate") is None else mixture(
         x, layer, config.num_experts_per_tok, config.norm_topk_prob)
     replace(layer_shapes=with_router, load_tensor=load_stacked, swiglu=either)
@@ -1221,8 +1201,7 @@ def use_experts(config, bits=None):
 # The proof needs q to be what the draft truly drew from, and p what the target's own draw would
 # use. Raw softmaxes would bring back the tokens that top-k and top-p removed.
 # A rejection at d_i ends the round: the later proposals and p were computed after d_i, now not in
-# the text. So each token out is drawn from p given the tokens truly before it, as in the target's
-# own run. After all k pass, p's last row (after dk) gives one more token: the residual there is p.
+# the text. So each token out follows p given the tokens truly before it, as in the target's run.
 # Greedy, p and q are one-hot: a proposal passes if it is the target's argmax, else that argmax
 # replaces it. The text is the target's, to rounding (a pass over 5 positions may round unlike 5).
 # mlx-lm does step 3 another way. It draws the target's own token at each position, and keeps the
@@ -1234,11 +1213,9 @@ def use_experts(config, bits=None):
 # line counts the proposals accepted and the tokens per pass of the target.
 #
 # It replaces make_cache (section 6) and generate_long (section 14), whose prefill it reuses.
-# tests/test_speculative.py checks that greedy, the tokens are the target's
-# (test_greedy_the_tokens_are_the_targets_whatever_the_draft), that sampled, each follows p
-# (test_sampled_each_token_is_distributed_as_the_targets_draw), though a seed draws other tokens
-# than without a draft, and that rejected proposals leave nothing in either cache
-# (test_after_rejections_both_caches_hold_what_a_plain_run_holds).
+# tests/test_speculative.py checks that greedy, the tokens are the target's, that sampled, each
+# follows p (though a seed draws other tokens than without a draft), and that rejected proposals
+# leave nothing in either cache.
 
 def distribution(logits, sampling, min_p=0.0):
     """What sample() draws from, per row (rows, vocab), no presence penalty (cli.py refuses one)."""
@@ -1316,12 +1293,10 @@ def use_speculative(draft, k, min_p=0.0):
             n = (passed.tolist() + [False]).index(False)  # proposals before the first failure
             proposals = proposals.tolist()
             # 4. roll back to t, d1 ... dn: offset start + 1 + n. If n = k, the draft keeps its
-            # start + k, as it read only up to d(k-1).
+            # start + k. It never read dk, as that pass would be wasted whenever a proposal fails.
             for layer_cache in cache:
                 layer_cache.offset = min(layer_cache.offset, start + 1 + n)
-            # Reading dk would take a draft pass, wasted whenever a proposal fails. So when all
-            # pass, the next round's step 1 reads it.
-            unread = proposals[-1:] if n == k else []
+            unread = proposals[-1:] if n == k else []  # the next round's step 1 reads it
             rounds.append((n, k))
             new = list(zip(proposals[:n] + [extra.tolist()[n]], logits))
 
