@@ -669,7 +669,8 @@ def test_a_process_killed_mid_prefill_ends_the_other(folders, tmp_path, killed):
     ends it when the other process dies."""
     script = tmp_path / "paused.py"
     script.write_text(PAUSED_IN_PREFILL.format(root=str(SCRIPT.parent)))
-    command = [script, "--model", folders["tiny"], "--prompt", PROMPT, "--max-tokens", 4]
+    long_prompt = " ".join([PROMPT] * 10)  # over SHORT_PROMPT tokens: prefilled in pieces
+    command = [script, "--model", folders["tiny"], "--prompt", long_prompt, "--max-tokens", 4]
     processes = start([command] * 2, tmp_path)
     deadline = time.monotonic() + 120
     while not all((tmp_path / f"paused-{r}").exists() for r in (0, 1)) and \
