@@ -545,13 +545,15 @@ def compile_model():
 #   2. 92 tokens are left, more than 21: a piece of 64 (a power of two, below), 9 layers per
 #      mx.eval() (9 x 64 = 576 tokens' worth).
 #   3. 28 left: a piece of 16, all 28 layers in one mx.eval(). The last 12 go through generate().
-# On a GPU, a layer runs far more tokens in 0.2 s (the page above). There, once timed, a prompt of
-# up to PREFILL_CHUNK tokens goes through generate() in one pass, as in Part 1. A prompt of at most
-# SHORT_PROMPT tokens always does: on a CPU, each piece would read all the weights again.
-#
-# Piece sizes are powers of two, so that a GPU meets few distinct shapes. A new shape costs time
-# the first time: MLX's CUDA backend compiles some kernels for it (kept on disk in
-# $MLX_PTX_CACHE_DIR, by default /tmp/mlx/<version>/ptx), as mx.compile does (section 13).
+# The piece cut off leaves at least one token: generate() needs one, whose logits give the first
+# new token. And generate() may take at most pace / n_layers tokens, but always one.
+# A prompt of at most SHORT_PROMPT tokens always goes through generate() in one pass: on a CPU,
+# each piece would read all the weights again. A GPU runs far more tokens in 0.2 s (the page
+# above), and is guessed to run a whole piece, all its layers at once, before it is timed. So its
+# first prompt of up to PREFILL_CHUNK tokens goes in one pass too, as its later ones will. A new
+# shape costs time on a GPU the first time: MLX's CUDA backend compiles kernels for it (kept on
+# disk in $MLX_PTX_CACHE_DIR, by default /tmp/mlx/<version>/ptx), as mx.compile does (section
+# 13). So the first prompt meets the shapes of the later ones, and piece sizes are powers of two.
 #
 # Pieces also bound memory. attend() builds a piece's scores at once, as MLX's fused attention
 # (section 12) does on a CPU: (heads, piece, total) numbers, not (heads, total, total). On a Mac's
@@ -561,10 +563,10 @@ def compile_model():
 # Try it: `python llm_inference.py --prompt - < README.md` shows a prefill's progress on stderr
 # within seconds on a CPU, and Ctrl-C stops it. Nothing is replaced: main() calls generate_long().
 
-PREFILL_CHUNK = 1024  # tokens in a piece, at most
+PREFILL_CHUNK = 2048  # tokens in a piece, at most (as mlx-lm's prefill_step_size)
 SHORT_PROMPT = 32  # a prompt this short goes through generate() in one pass
 LAYER_SECONDS = 0.2  # how long one mx.eval() of a piece should take: what Ctrl-C may wait
-FIRST_GUESS = 8  # tokens a layer runs in LAYER_SECONDS, before a model's first piece is timed
+FIRST_GUESS = 8  # tokens a layer runs in LAYER_SECONDS on a CPU, before the model is timed
 layer_tokens = {}  # the same, last measured, per model (by id() of its weights): a draft is faster
 
 
@@ -574,7 +576,8 @@ def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), 
     by piece. progress(done, total), if given, runs after each mx.eval()."""
     cache = make_cache(config) if cache is None else cache
     done, total, n_layers = 0, len(prompt_ids), len(cache)
-    pace = layer_tokens.get(id(weights), FIRST_GUESS)
+    guess = PREFILL_CHUNK * n_layers if mx.default_device() == mx.gpu else FIRST_GUESS
+    pace = layer_tokens.get(id(weights), guess)
     # generate() runs its tokens through all layers in one mx.eval(): at most pace / n_layers.
     while total > SHORT_PROMPT and total - done > min(max(pace // n_layers, 1), PREFILL_CHUNK):
         size = min(pace, PREFILL_CHUNK, total - done - 1)

@@ -568,7 +568,7 @@ def test_stored_head_differs_only_for_a_different_matrix(checkpoints, head, diff
 def test_generate_long_reports_its_progress_after_each_piece(tiny, monkeypatch, length, calls):
     """progress(done, total) after each piece that goes through the model before the last: done
     counts the prompt's tokens now in the cache (the piece has run), total the prompt's; with
-    PREFILL_CHUNK 1024, (1024, total), (2048, total), ... Never for a prompt of one piece, and
+    PREFILL_CHUNK 2048, (2048, total), (4096, total), ... Never for a prompt of one piece, and
     always before the first token. Where a piece runs within LAYER_SECONDS (here: always), it runs
     in one mx.eval(), all its layers at once. The tokens are generate()'s."""
     config = li.load_config(tiny)
@@ -609,6 +609,7 @@ def prefill_clock(monkeypatch, cache, seconds):
         evaluate(*arrays)
 
     monkeypatch.setattr(mx, "eval", timed_eval)
+    monkeypatch.setattr(li.mx, "default_device", lambda: mx.cpu)  # FIRST_GUESS, on any machine
     monkeypatch.setattr(li, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(li, "forward", lambda ids, *args, **kwargs: (
         sizes.append(len(ids)), forward(ids, *args, **kwargs))[1])
@@ -678,6 +679,27 @@ def test_a_short_prompt_goes_through_generate_in_one_pass(tiny, monkeypatch):
     li.layer_tokens[id(weights)] = 10**6  # as on a fast GPU
     tokens(li.generate_long(list(range(li.PREFILL_CHUNK)), weights, config, 1))
     assert calls == [li.PREFILL_CHUNK]
+
+
+def test_a_gpus_first_prompt_goes_as_its_later_ones(tiny, mac, monkeypatch):
+    """Issue 41: on an H100, the first prefill of a process was cut into pieces its later ones never
+    met (8, 64, 52 tokens, then 128 at once), and each new shape compiled kernels during the timed
+    runs. A GPU not yet timed takes a prompt of up to PREFILL_CHUNK tokens in one pass, as a timed
+    one does; a longer one in whole pieces, all layers in one mx.eval()."""
+    config = li.load_config(tiny)
+    weights = li.load_weights(tiny, config, mx.float32)
+    cache = li.make_cache(config)
+    sizes, evals = prefill_clock(monkeypatch, cache, lambda tokens, layers: 0.001)
+    monkeypatch.setattr(li.mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(li, "PREFILL_CHUNK", 64)
+    tokens(li.generate_long(list(range(64)), weights, config, 1, cache=cache))
+    assert sizes[0] == 64
+    sizes.clear()
+    evals.clear()
+    cache[:] = li.make_cache(config)  # the list prefill_clock watches
+    tokens(li.generate_long(list(range(100)), weights, config, 1, cache=cache))
+    assert sizes[:2] == [64, 36]
+    assert evals[0] == [(0, "keys"), (0, "values"), (1, "keys"), (1, "values")]
 
 
 def test_each_model_keeps_its_own_prefill_pace(tiny, monkeypatch):
