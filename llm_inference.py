@@ -43,7 +43,7 @@ from tokenizers.decoders import DecodeStream
 # ================================================================================================
 #
 # Plain functions that write the math out. `python llm_inference.py --reference-ops` runs exactly
-# this code. Only a prompt of over 32 tokens may first be prefilled in pieces (section 14).
+# this code. Only a prompt of over 32 tokens may first go through in pieces (section 14).
 # A plain run swaps five of these functions for faster ones that compute the same. MLX's fused
 # kernels do in one step on a GPU what several operations do here (section 12). Compilation
 # merges a function's element-wise steps into one (section 13). Quantizing, several processes and
@@ -57,7 +57,7 @@ class Config(NamedTuple):  # what the model reads from config.json
     num_attention_heads: int  # 16 query heads ...
     num_key_value_heads: int  # ... sharing 8 key/value heads (grouped-query attention, section 6)
     head_dim: int  # 128 channels per head. Qwen3 sets it, wider than hidden_size / 16 = 64.
-    intermediate_size: int  # 3072: width of the SwiGLU feed-forward
+    intermediate_size: int  # 3072 units: the width of the SwiGLU feed-forward's middle
     vocab_size: int  # 151936 rows in the embedding table
     rope_theta: float  # 1e6: base of the rotary position frequencies
     rms_norm_eps: float  # 1e-6: keeps RMSNorm from dividing by zero
@@ -647,8 +647,9 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
 # q = round((w - bias) / scale), kept within 0 to 3, is [3, 2, 0, 1]. Back come
 # [-0.25, 0, 0.5, 0.25]. 0.1 moves by 0.1, less than half a level, as any weight between two
 # levels does. But -0.4 lies beyond the last level, and moves by 0.15: 0.6 of a level. Such an end
-# can move by up to a whole level. In bfloat16 weights of Qwen3-0.6B's shapes, 39% of the
-# 4-bit groups have a weight that moves by over half a level. The mean move is a quarter of a level.
+# can move by up to a whole level. In random bfloat16 weights (normal, std 0.02) of Qwen3-0.6B's
+# shapes, 39% of the 4-bit groups have a weight that moves by over half a level (in float32, before
+# any rounding of the result). The mean move is a quarter of a level.
 # At 8 bits, the scale's rounding to bfloat16 adds to that, as q reaches 255
 # (docs/performance.md#quantized-weights, with the effect on one layer's products).
 # Try it: python llm_inference.py --quantize 4
@@ -1036,10 +1037,11 @@ def use_tensor_parallelism(group):
 
     summed = lambda function: lambda *args: mx.distributed.all_sum(function(*args), group=group)
     # Each all_sum must meet arrays of one shape in every process, or it sums wrong or loses the
-    # connection. So all cut a prompt alike, by process 0's measure. Each hands in its measure
-    # times (rank == 0), True (1) on process 0 only. The sum that all get is process 0's measure.
+    # connection. So all cut a prompt alike, by process 0's measure: process 0 hands in its
+    # measure, the others 0, and the sum that all get is process 0's.
     pace = tokens_per_layer  # section 14's: each process times its pieces on its own clock
-    first = lambda *args: mx.distributed.all_sum(pace(*args) * (rank == 0), group=group).item()
+    first = lambda *args: mx.distributed.all_sum(pace(*args) if rank == 0 else 0,
+                                                 group=group).item()
     replace(load_tensor=load_share, attention=summed(attention), swiglu=summed(swiglu),
             tokens_per_layer=first)
 
@@ -1071,9 +1073,10 @@ def use_tensor_parallelism(group):
 # by side. sorted_indices=True tells a GPU kernel so. MLX's Metal and CUDA kernels then multiply a
 # run of such rows by their expert's matrix at once, reading it once, not once per row.
 # The sort is a permutation of the pairs, and argsort of it is the inverse. For 2 tokens, 2 picks
-# of 4 experts: picks [[3, 1], [0, 2]] flatten to [3, 1, 0, 2] (pair i is token i // 2's). order =
-# argsort([3, 1, 0, 2]) = [2, 1, 3, 0] lists the pairs by expert, order // 2 = [1, 0, 1, 0] their
-# tokens. argsort(order) = [3, 1, 0, 2] is where each pair went (pair 0 to row 3, pair 2 to row 0).
+# of 4 experts: picks [[2, 0], [1, 2]] flatten to [2, 0, 1, 2] (pair i is token i // 2's). order =
+# argsort([2, 0, 1, 2]) = [1, 2, 0, 3] lists the pairs by expert (0, 1, 2, 2: expert 2's two side
+# by side), and order // 2 = [0, 1, 0, 1] their tokens. argsort(order) = [2, 0, 1, 3] is where each
+# pair went (pair 0 to row 2, pair 1 to row 0): y[argsort(order)] puts the rows back in pair order.
 #
 # Try it: `python llm_inference.py --model Qwen/Qwen3-30B-A3B --quantize 4` (17.6 GB: the README's
 # table). The page linked above writes a small random mixture in one line, for bench.py.
@@ -1206,7 +1209,7 @@ def use_experts(config, bits=None):
 # A rejection at d_i ends the round: the later proposals and p were computed after d_i, now not in
 # the text. So each token out follows p given the tokens truly before it, as in the target's run.
 # Greedy, p and q are one-hot: a proposal passes if it is the target's argmax, else that argmax
-# replaces it. The text is the target's, to rounding (a pass over 5 positions may round unlike 5).
+# replaces it. The text is the target's, to rounding (one pass over 5 positions may round unlike 5 passes over one).
 # mlx-lm does step 3 another way. It draws the target's own token at each position, and keeps the
 # proposal only if the two are the same. That is exact too. But two draws agree with probability
 # Σ p·q, which is at most Σ min(p, q). For p = q = (0.5, 0.5), it keeps half the proposals, and
