@@ -1,6 +1,5 @@
-"""The program around llm_inference.py, whose main() shows how the two fit: the folder checks (a
-broken file is one line, not a traceback), the download, the flags, the printing, the chat loop,
-mlx.launch's processes and the top-level error handler. It imports nothing from llm_inference.py."""
+"""The program around llm_inference.py, whose main() shows how the two fit; its sections below.
+It imports nothing from llm_inference.py."""
 
 import argparse
 import contextlib
@@ -34,7 +33,6 @@ OPENBLAS_HINT = ("Hint: this CPU runs float32 faster with OpenBLAS, which this s
                  "installed: sudo apt-get install libopenblas0-pthread")
 
 RUNTIME = ("mlx", "tokenizers", "huggingface_hub")  # requirements.txt's packages
-# One of them missing: most likely, Python was started outside the project's virtual environment.
 NOT_INSTALLED = ("%s: error: the package %s is not installed here: activate the virtual "
                  "environment (. .venv/bin/activate), or pip install -r requirements.txt")
 try:
@@ -77,7 +75,6 @@ def reading(path, fix="re-download it"):
 
 
 def read_json(path, fix="re-download it"):
-    """A JSON object from a file a person may have damaged or edited."""
     with reading(path, fix):
         value = json.loads(Path(path).read_text(encoding="utf-8"))
     if not isinstance(value, dict):
@@ -469,8 +466,7 @@ def pick_dtype(name):
 # becomes 100), and far lower (1e-45) logits / temperature overflow to inf: the draw gives token 0.
 MIN_TEMPERATURE = 1e-4
 
-# Each setting, from generation_config.json or a flag: the test its value passes, what it should be.
-SETTINGS = {
+SETTINGS = {  # each setting's test and what it should be
     "temperature": (lambda t: is_number(t) and (t == 0 or t >= MIN_TEMPERATURE),
                     f"0 (greedy) or at least {MIN_TEMPERATURE}"),
     "top_k": (lambda k: is_number(k, int) and k >= 0, "an integer >= 0 (0 = off)"),
@@ -523,7 +519,6 @@ def download_command(repo, model_dir):
 
 
 def missing_files(names):
-    """The NEEDED_FILES not among these names (a shard index stands in for model.safetensors)."""
     return [name for name in NEEDED_FILES if name not in names
             and not (name == "model.safetensors" and WEIGHTS_INDEX in names)]
 
@@ -566,8 +561,8 @@ def download_model(repo, model_dir, fields):
 
 
 def find_model(model_arg, allow_download, fields, flag="--model"):
-    """--model's (or flag's) folder as it is; a repo id's copy in Hugging Face's cache, downloaded
-    there once; without --model, ./Qwen3-0.6B, else the one next to the script, downloaded there."""
+    """--model's (or flag's) folder, or a repo id's copy in Hugging Face's cache, downloaded once;
+    without --model, ./Qwen3-0.6B, else the one next to the script, downloaded there."""
     repo = repo_id(model_arg) if model_arg else HF_REPO
     names = lambda folder: {p.name for p in folder.iterdir()} if folder and folder.is_dir() else ()
     try:
@@ -581,7 +576,7 @@ def find_model(model_arg, allow_download, fields, flag="--model"):
                                                        allow_patterns=CACHED_FILES))
         elif model_arg:
             model_dir, repo = Path(model_arg), None
-        else:  # ./Qwen3-0.6B when present, else the one next to the script
+        else:
             model_dir = Path("Qwen3-0.6B")
             model_dir = model_dir if model_dir.is_dir() else SCRIPT_DIR / model_dir
         # Names, not files: a directory in a file's place is reported as unreadable when read.
@@ -692,7 +687,6 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    """The flags, checked, with warnings about flags that do nothing."""
     ap = ArgumentParser(prog="llm_inference.py", description="Generate text with Qwen3 on MLX.")
     add = ap.add_argument
     add("--prompt", help=f"the text to continue ('-' reads stdin; default: {DEFAULT_PROMPT!r}); "
@@ -778,7 +772,6 @@ class Default(int):
 
 
 def max_tokens(args, context):
-    """--max-tokens, or a default of at most half the context."""
     return args.max_tokens or Default(min(CHAT_MAX_TOKENS if args.chat else MAX_TOKENS,
                                           context // 2))
 
@@ -862,8 +855,7 @@ def print_header(model_arg, model_dir, config, n, dtype, weights, how, max_token
         print(f"Prompt: {shown(shortened)} ({plural(n_prompt, 'token')}){how}", file=sys.stderr)
 
 
-def rate(n, seconds):
-    """', 12.3 tok/s', or nothing when no token was timed."""
+def rate(n, seconds):  # ', 12.3 tok/s'
     return f", {n / seconds:.1f} tok/s" if n > 0 and seconds > 0 else ""
 
 
@@ -1134,8 +1126,8 @@ def read_message(interactive, group=None):
             lines.append(line)
         if line is None:  # Ctrl-D (the input's end) before the closing """
             print("(message cancelled)", file=sys.stderr)
-            lines, error = [], None
-        if error:
+            lines = []
+        elif error:
             raise error
         line = "\n".join(lines)
     return share(line, group) if group and group.size() > 1 else line
