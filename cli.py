@@ -331,8 +331,7 @@ def check_chat_template(model_dir):
 
 def check_split(model_dir, config, n, bits, stored, can_split):
     """Refuse n processes the model cannot be split over (section 20's can_split)."""
-    # Quantized, each process's columns must hold whole groups (of the largest size: 128, say),
-    # those stored and --quantize's.
+    # Quantized, each process's columns hold whole groups of the largest size: stored, --quantize's
     sizes = [how.get("group_size", 0) for how in (stored, *stored.values())
              if isinstance(how, dict)]
     group_size = max(sizes + [GROUP_SIZE] * bool(bits))
@@ -393,9 +392,8 @@ def memory_size():
     size = info.get("memory_size") or info.get("total_memory")  # Metal's key, CUDA's key
     if size:
         return size
-    with contextlib.suppress(OSError, StopIteration):  # no /proc/meminfo: not Linux
-        with open("/proc/meminfo") as f:
-            line = next(line for line in f if line.startswith("MemAvailable:"))
+    with contextlib.suppress(OSError, StopIteration), open("/proc/meminfo") as f:  # not Linux
+        line = next(line for line in f if line.startswith("MemAvailable:"))
         return int(line.split()[1]) * 1024  # "MemAvailable:   23437500 kB"
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -647,15 +645,13 @@ def read_prompt(args, group):
                           "give the text itself with --prompt")
     if group.rank() > 0:
         return share(None, group)
-    text = DEFAULT_PROMPT if args.prompt is None else args.prompt
-    what = "--prompt"
-    if text == "-":  # read the prompt from stdin
+    text = DEFAULT_PROMPT if args.prompt is None else as_text(args.prompt, "--prompt")
+    if text == "-":  # stdin, less the newline that echo ends it with
         if sys.stdin.isatty():
             print("Reading the prompt from the terminal; end it with Ctrl-D.", file=sys.stderr)
-        text, what = sys.stdin.buffer.read(), "the prompt on stdin"
-    text = as_text(text, what).removesuffix("\n" * (what != "--prompt"))  # echo's newline
+        text = as_text(sys.stdin.buffer.read(), "the prompt on stdin").removesuffix("\n")
     if not text.strip():
-        fix = "pass some text with --prompt" if what == "--prompt" else "pipe some text in"
+        fix = "pipe some text in" if args.prompt == "-" else "pass some text with --prompt"
         raise UserError(f"the prompt is empty; {fix}")
     return share(text, group) if group.size() > 1 else text
 
