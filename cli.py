@@ -851,7 +851,7 @@ def print_header(model_arg, model_dir, config, n, dtype, weights, how, max_token
         print(f"Prompt: {shown(shortened)} ({plural(n_prompt, 'token')}){how}", file=sys.stderr)
 
 
-def rate(n, seconds):  # ', 12.3 tok/s'
+def rate(n, seconds):
     return f", {n / seconds:.1f} tok/s" if n > 0 and seconds > 0 else ""
 
 
