@@ -216,17 +216,21 @@ def linear(x, weight):
 def queries_keys_values(x, layer, config, offset):
     """The first half of attention: x (seq, 1024) at positions offset, offset+1, ... -> q, k, v."""
     c, seq = config, x.shape[0]
-    # Project each position to queries, keys and values, and split them into heads, heads first.
-    # The leading 1 is a batch axis. Attention works on (batch, heads, seq, head_dim).
-    q = linear(x, layer["q_proj"]).reshape(1, seq, c.num_attention_heads, c.head_dim).swapaxes(1, 2)
-    k = linear(x, layer["k_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim).swapaxes(1, 2)
-    v = linear(x, layer["v_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim).swapaxes(1, 2)
+    # Project each position to queries, keys and values, and split them into heads of 128.
+    q = linear(x, layer["q_proj"]).reshape(1, seq, c.num_attention_heads, c.head_dim)
+    k = linear(x, layer["k_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim)
+    v = linear(x, layer["v_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim)
     # QK-norm RMS-normalises each head's 128 query and key channels, which could otherwise grow in
     # training until the softmax saturates. It is new to Qwen in Qwen3 (Qwen2 added biases to q, k
-    # and v instead), after ViT-22B, OLMo 2 and Gemma 3. Normalise, then rotate, as Qwen3 was
-    # trained: the rotation mixes channels i and i + 64, which have gains of their own.
-    q = apply_rope(rms_norm(q, layer["q_norm"], c.rms_norm_eps), offset, c.rope_theta)
-    k = apply_rope(rms_norm(k, layer["k_norm"], c.rms_norm_eps), offset, c.rope_theta)
+    # and v instead), after ViT-22B, OLMo 2 and Gemma 3. Here each head's channels lie side by side
+    # in memory, so a fused RMSNorm (section 12) reads them without a copy.
+    q = rms_norm(q, layer["q_norm"], c.rms_norm_eps)
+    k = rms_norm(k, layer["k_norm"], c.rms_norm_eps)
+    # Heads first, for attention's (batch, heads, seq, head_dim), the leading 1 a batch axis. Then
+    # rotate, as Qwen3 was trained: RoPE mixes channels i and i + 64, which have gains of their own.
+    q = apply_rope(q.swapaxes(1, 2), offset, c.rope_theta)
+    k = apply_rope(k.swapaxes(1, 2), offset, c.rope_theta)
+    v = v.swapaxes(1, 2)
     return q, k, v  # (1, 16, seq, 128), (1, 8, seq, 128), (1, 8, seq, 128)
 
 
@@ -503,13 +507,13 @@ def use_fused_kernels():
 
 # --- 13. Compilation: fusing element-wise operations into one kernel ------------------------------
 #
-# Other steps are several kernels too, at section 12's cost. silu_gate(g, u) = g σ(g) u is three
-# (σ and two products), 28 times a step. filter_logits is many small ones.
-# mx.compile(f) returns a function that, at its first call, traces f: it runs f's Python once on
-# stand-in arrays with no values yet (print() of one fails: hence --no-compile), recording the
-# operations as a graph. Later calls replay the graph without f's Python, with chains of
-# element-wise steps fused into one kernel. For one token, silu_gate's 3 kernels read 5 arrays of
-# 3072 numbers and write 3. Fused, one kernel reads g and u and writes the result.
+# Other steps are several kernels too, at section 12's cost. silu_gate(g, u) = g σ(g) u is three (σ
+# and two products), 28 times a step. filter_logits is many small ones. mx.compile(f) returns a
+# function that, at its first call, traces f: it runs f's Python once on stand-in arrays with no
+# values yet (print() of one fails: hence --no-compile), recording the operations as a graph. Later
+# calls replay the graph without f's Python, with chains of element-wise steps fused into one
+# kernel. For one token, silu_gate's 3 kernels read 5 arrays of 3072 numbers and write 3. Fused, one
+# kernel reads g and u and writes the result.
 # A trace serves one input shape, unless shapeless=True. Then it serves every sequence length,
 # which silu_gate's steps do not depend on. An argument that is not an array, such as a Sampling,
 # is a constant of the trace. Its values steer f's Python (filter_logits' `if top_p < 1`), so the
@@ -537,28 +541,27 @@ def compile_model():
 # 35.6 s (docs/performance.md#prefill-ctrl-c-and-progress).
 #
 # The idea: with the cache (section 6), a prompt can go through in pieces, each continuing the one
-# before. A piece runs a few layers per mx.eval(), as many as run in LAYER_SECONDS. That speed is
-# measured: each piece's time sets the next one's size. A worked example: 28 layers, on a CPU where
+# before. Its pace, how many tokens one layer runs in LAYER_SECONDS, is measured on each piece and
+# sets the next: a piece has at most pace tokens (and PREFILL_CHUNK), rounded down to a power of
+# two, and runs pace // size layers per mx.eval(). It leaves at least one token for generate(),
+# whose logits give the first new token. generate() runs all layers in one mx.eval(), so it may
+# take at most pace // n_layers tokens (at least one). A worked example: 28 layers, on a CPU where
 # a layer runs 600 tokens in 0.2 s, and a 100-token prompt.
 #   1. Not yet timed: a first piece of FIRST_GUESS = 8 tokens, a layer per mx.eval(). It takes
-#      2.7 ms a layer, so a layer runs 600 tokens in 0.2 s, and all 28 run 600 / 28 = 21.
-#   2. 92 tokens are left, more than 21: a piece of 64 (a power of two, below), 9 layers per
-#      mx.eval() (9 x 64 = 576 tokens' worth).
+#      2.7 ms a layer, so the pace is 600, and generate() may take 600 // 28 = 21 tokens.
+#   2. 92 tokens are left, more than 21: a piece of 64 (the power of two below 91), 600 // 64 =
+#      9 layers per mx.eval().
 #   3. 28 left: a piece of 16, all 28 layers in one mx.eval(). The last 12 go through generate().
-# The piece cut off leaves at least one token: generate() needs one, whose logits give the first
-# new token. And generate() may take at most pace / n_layers tokens, but always one.
 # A prompt of at most SHORT_PROMPT tokens always goes through generate() in one pass: on a CPU,
-# each piece would read all the weights again. A GPU runs far more tokens in 0.2 s (the page
-# above), and is guessed to run a whole piece, all its layers at once, before it is timed. So its
-# first prompt of up to PREFILL_CHUNK tokens goes in one pass too, as its later ones will. A new
-# shape costs time on a GPU the first time: MLX's CUDA backend compiles kernels for it (kept on
-# disk in $MLX_PTX_CACHE_DIR, by default /tmp/mlx/<version>/ptx), as mx.compile does (section
-# 13). So the first prompt meets the shapes of the later ones, and piece sizes are powers of two.
+# each piece would read all the weights again. A GPU, not yet timed, is guessed to run a whole
+# piece through all its layers in 0.2 s (a pace of PREFILL_CHUNK x n_layers). So a prompt of up to
+# PREFILL_CHUNK tokens goes in one pass, first as later, while the GPU keeps that pace (the page
+# above). A GPU pays for each new shape the first time: MLX compiles kernels for it. Sizes that
+# recur (a whole prompt, powers of two) keep that to a few.
 #
 # Pieces also bound memory. attend() builds a piece's scores at once, as MLX's fused attention
 # (section 12) does on a CPU: (heads, piece, total) numbers, not (heads, total, total). On a Mac's
-# GPU, for heads of 128 channels, that kernel never builds them. It reads the keys in tiles (MLX's
-# Metal scaled_dot_product_attention.cpp: "sdpa_full" over 8 queries, "sdpa_vector" up to 8).
+# GPU, for heads of 128 channels, that kernel reads the keys in tiles and never builds them.
 #
 # Try it: `python llm_inference.py --prompt - < README.md` shows a prefill's progress on stderr
 # within seconds on a CPU, and Ctrl-C stops it. Nothing is replaced: main() calls generate_long().
@@ -649,9 +652,9 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
 # levels does. But -0.4 lies beyond the last level, and moves by 0.15: 0.6 of a level. Such an end
 # can move by up to a whole level. In random bfloat16 weights (normal, std 0.02) of Qwen3-0.6B's
 # shapes, 39% of the 4-bit groups have a weight that moves by over half a level (in float32, before
-# any rounding of the result). The mean move is a quarter of a level.
-# At 8 bits, the scale's rounding to bfloat16 adds to that, as q reaches 255
-# (docs/performance.md#quantized-weights, with the effect on one layer's products).
+# any rounding of the result). The mean move is a quarter of a level. At 8 bits, the scale's
+# rounding to bfloat16 adds to that, as q reaches 255 (docs/performance.md#quantized-weights, with
+# the effect on one layer's products).
 # Try it: python llm_inference.py --quantize 4
 # use_quantization() replaces load_tensor, linear and embed. Other weights take Part 1's math.
 # tests/test_quantize.py finds it is mlx-lm's: the weights mlx_lm.convert writes, and the logits.
@@ -882,10 +885,9 @@ class Chat:
 # --- 19. The logit lens: what the model would say after each block (--trace) ---------------------
 #
 # forward() shows only its end, the logits after the last block. What each of the 28 blocks does
-# stays hidden. Only the final RMSNorm and LM head turn the residual stream into logits, and a
-# block only adds to that stream (section 8). So, applied after any block, they show what the model
-# would say if it stopped there: the "logit lens". With real weights, watch in which block " Paris"
-# takes the lead.
+# stays hidden. Only the final RMSNorm and LM head turn the residual stream into logits, and a block
+# only adds to that stream (section 8). So, applied after any block, they show what the model would
+# say if it stopped there: the "logit lens". With real weights, see where " Paris" comes first.
 #
 # trace() computes, and cli.TracePrinter (`show`) prints, one line a call:
 #   show.step(name, out, what)  block 0's step `name`, the shape and dtype of each array in `out`
@@ -895,7 +897,7 @@ class Chat:
 #                               the final pick (the likeliest token of forward()'s logits)
 # show.lens_intro prints a heading, and show.final the 5 likeliest tokens of the final logits.
 # With the tests' tiny model of 2 blocks, the final pick ranks 39th in block 0's lens, and 1st at
-# 0.846 in block 1's, which is the final answer (docs/experiments.md shows the whole run).
+# 0.846 in block 1's, the final answer.
 # Try it: `python llm_inference.py --trace`. It replaces nothing: it calls Part 1's functions.
 
 def logit_lens(x, weights, config):
@@ -983,9 +985,9 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 # Try it: `mlx.launch -n 2 python llm_inference.py --trace`. Block 0's queries show 8 heads, not
 # 16, and `x + attention` is whole again, (5, 1024): the all_sum added the heads' parts up.
 # It replaces Part 1's load_tensor (to keep a process's rows or columns), attention and swiglu (to
-# all_sum their outputs), and section 14's tokens_per_layer (below). That is safe. Each output
-# sums the same products, in another order, so it is the same to rounding, as
-# tests/test_distributed.py checks against mlx-lm's split model and against one process.
+# all_sum their outputs), and section 14's tokens_per_layer (below). That is safe. Each output sums
+# the same products, in another order, so it is the same to rounding, as tests/test_distributed.py
+# checks against mlx-lm's split model and against one process.
 #
 # With RDMA's microseconds per exchange, a split pays for a model too big for one machine.
 # Pipeline parallelism instead gives each machine whole layers, say 0-31 and 32-63, and a token
@@ -1208,8 +1210,8 @@ def use_experts(config, bits=None):
 # use. Raw softmaxes would bring back the tokens that top-k and top-p removed.
 # A rejection at d_i ends the round: the later proposals and p were computed after d_i, now not in
 # the text. So each token out follows p given the tokens truly before it, as in the target's run.
-# Greedy, p and q are one-hot: a proposal passes if it is the target's argmax, else that argmax
-# replaces it. The text is the target's, to rounding (one pass over 5 positions may round unlike 5 passes over one).
+# Greedy, a proposal passes if it is the target's argmax, else that argmax replaces it. The text
+# is the target's, to rounding: one pass over 5 positions may round unlike 5 passes over one.
 # mlx-lm does step 3 another way. It draws the target's own token at each position, and keeps the
 # proposal only if the two are the same. That is exact too. But two draws agree with probability
 # Σ p·q, which is at most Σ min(p, q). For p = q = (0.5, 0.5), it keeps half the proposals, and
@@ -1217,7 +1219,6 @@ def use_experts(config, bits=None):
 #
 # Try it: `python llm_inference.py --model Qwen/Qwen3-8B --draft-model Qwen/Qwen3-0.6B`. Its last
 # line counts the proposals accepted and the tokens per pass of the target.
-#
 # It replaces make_cache (section 6) and generate_long (section 14), whose prefill it reuses.
 # tests/test_speculative.py checks that greedy, the tokens are the target's, that sampled, each
 # follows p (though a seed draws other tokens than without a draft), and that rejected proposals
@@ -1230,9 +1231,8 @@ def distribution(logits, sampling, min_p=0.0):
 
 
 def verify(p, q, proposals, test_key, draw_key):
-    """Step 3 for p (k + 1, vocab), q (k, vocab) and the k proposals: which pass (k,), and at each
-    position a draw from max(0, p − q) (k + 1,). (tests/test_speculative.py passes 20,000 rounds at
-    once, on a leading axis: hence the `...`.)"""
+    """Step 3 for p (k + 1, vocab), q (k, vocab) and the k proposals: which pass (k,), and at
+    each position a draw from max(0, p − q) (k + 1,). Leading axes (a test's rounds) ride along."""
     # at(q)[i] = q_i(d_i): each row's probability of its own proposal (take_along_axis: 21).
     at = lambda probs: mx.take_along_axis(probs, proposals[..., None], axis=-1)[..., 0]
     # mx.random.uniform: numbers spread evenly over [0, 1). u < p(d) / q(d) has probability
