@@ -548,7 +548,7 @@ def compile_model():
 # take at most pace // n_layers tokens (at least one). A worked example: 28 layers, on a CPU where
 # a layer runs 600 tokens in 0.2 s, and a 100-token prompt.
 #   1. Not yet timed: a first piece of FIRST_GUESS = 8 tokens, a layer per mx.eval(). It takes
-#      2.7 ms a layer, so the pace is 600, and generate() may take 600 // 28 = 21 tokens.
+#      2.67 ms a layer, so the pace is 600, and generate() may take 600 // 28 = 21 tokens.
 #   2. 92 tokens are left, more than 21: a piece of 64 (the power of two below 91), 600 // 64 =
 #      9 layers per mx.eval().
 #   3. 28 left: a piece of 16, all 28 layers in one mx.eval(). The last 12 go through generate().
@@ -587,7 +587,7 @@ def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), 
         size = 2 ** int(math.log2(size))  # a power of two: at most half as large
         start = time.perf_counter()
         forward(mx.array(prompt_ids[done : done + size]), weights, config, cache)  # recorded only
-        # Only the cache is asked for: the logits are never computed.
+        # mx.eval() of some layers' keys and values runs those layers, never the logits.
         at_once = max(1, min(pace // size, n_layers))  # layers per mx.eval()
         for first in range(0, n_layers, at_once):
             mx.eval([(c.keys, c.values) for c in cache[first : first + at_once]])
