@@ -295,15 +295,13 @@ def check_tokenizer(tokenizer, config, model_dir):
     tokenizer.no_truncation()  # a tokenizer.json may ask to cut or pad every text: not a prompt
     tokenizer.no_padding()
     n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
-    path = Path(model_dir) / "tokenizer.json"
-    if n_tokens > config.vocab_size:  # its ids would pick rows the embedding table lacks
-        raise UserError(f"{path} has {n_tokens} tokens, but the embedding table has only "
-                        f"{config.vocab_size} rows (vocab_size): not one model's files")
     missing = [token for token in QWEN3_TOKENS if tokenizer.token_to_id(token) is None]
-    if missing or n_tokens < config.vocab_size - UNUSED_ROWS:
-        raise UserError(f"{path} has another tokenizer ({n_tokens} tokens for {config.vocab_size} "
-                        f"embedding rows{', without ' + missing[0] if missing else ''}): not one "
-                        "model's files; put the model's own tokenizer.json beside its weights")
+    # More tokens than rows: their ids would pick rows the embedding table lacks.
+    if missing or not config.vocab_size - UNUSED_ROWS <= n_tokens <= config.vocab_size:
+        raise UserError(f"{Path(model_dir) / 'tokenizer.json'} has another tokenizer ({n_tokens} "
+                        f"tokens for {config.vocab_size} embedding rows"
+                        f"{', without ' + missing[0] if missing else ''}): put the model's own "
+                        "tokenizer.json beside its weights")
 
 
 def check_ids(ids, config):
