@@ -107,9 +107,8 @@ def check_config(model_dir, fields, bits=None):
         raise UserError(f"{path}: 'rope_parameters' should be an object, got {json.dumps(rope)}")
     types = fields if "qwen3" in fields else {"qwen3": fields}
     if found == "qwen3_moe" and found not in types:  # only a draft's fields lack it (section 22)
-        raise UserError(f"{path} is a mixture of experts, which cannot be a draft: section 22 "
-                        "drafts with Part 1's dense forward, and a mixture's blocks need section "
-                        "21's replacements, which apply to the model only")
+        raise UserError(f"{path} is a mixture of experts, which cannot be a draft (section 22 "
+                        "drafts with Part 1's dense blocks): use a dense Qwen3 as the draft")
     if found not in types:
         raise UserError(f"{path} is not a Qwen3 config (model_type is {found!r}, expected "
                         f"{' or '.join(map(repr, types))})")
@@ -144,14 +143,9 @@ def check_config(model_dir, fields, bits=None):
                         f"'num_key_value_heads' ({kv_heads})")
     quantization, other = raw.get("quantization") or {}, raw.get("quantization_config")
     method = other.get("quant_method") if isinstance(other, dict) else other
-    if other and not quantization and method is None:  # mlx_lm.convert writes both keys
-        raise UserError(f"{path} has a 'quantization_config' that lacks the key 'quant_method', "
-                        "and no 'quantization' (MLX's key, which mlx_lm.convert writes beside it); "
-                        "re-download config.json")
-    if other and not quantization:  # how transformers describes GPTQ, AWQ, FP8, ...
-        raise UserError(f"{path}: the weights are quantized with {method!r}, which this script "
-                        "does not read; use an unquantized or an MLX-format (mlx_lm.convert) "
-                        "checkpoint")
+    if other and not quantization:  # transformers' GPTQ, AWQ, FP8, ...; mlx_lm.convert's has both
+        raise UserError(f"{path} has a 'quantization_config' (quant_method {method!r}) but no "
+                        "'quantization' (MLX's): use an unquantized or mlx_lm.convert checkpoint")
     if not isinstance(quantization, dict):
         raise UserError(f"{path}: 'quantization' should be an object such as "
                         f'{{"group_size": 64, "bits": 4}}, got {quantization!r}')
