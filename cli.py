@@ -199,8 +199,7 @@ def tensor_shapes(config, layer_shapes, has_experts=None):
 
 
 def check_weights(model_dir, config, stored, layer_shapes, has_experts=None):
-    """Every tensor Part 1 needs, with its shape and a dtype it reads, and none config.json does
-    not describe (mx.load reads only the headers). Returns config, untied for a head of its own."""
+    """Each tensor's name, shape and dtype (mx.load reads headers); config, untied for own head."""
     files, tensors, model_dir = weight_files(model_dir), {}, Path(model_dir)
     for path in files:
         with reading(path):
@@ -417,8 +416,8 @@ def check_memory(needed, available, dtype, working_set=None, margin=0, what=""):
 
 
 def check_fit(config, layer_shapes, dtype, bits, stored, quantizable, has_experts=None):
-    """check_memory for the weights of config (this process's share), with room for a KV cache
-    of 4,096 positions (as the README's table counts it)."""
+    """check_memory for config's weights (this process's share) and, as README's table, 4,096
+    positions of KV cache."""
     shapes, c = tensor_shapes(config, layer_shapes, has_experts), config
     needed = weight_bytes(shapes, dtype, quantizable, bits or stored.get("bits"),
                           stored.get("group_size", GROUP_SIZE), stored)
@@ -572,8 +571,7 @@ def find_model(model_arg, allow_download, fields, flag="--model"):
         # Names, not files: a directory in a file's place is reported as unreadable when read.
         missing = missing_files(names(model_dir))
     except OSError as e:  # a name too long, a folder without permission, ...
-        raise UserError(f"cannot read the model folder {model_arg or 'Qwen3-0.6B'}: "
-                        f"{e.strerror or e}")
+        raise UserError(f"cannot read the folder {model_arg or 'Qwen3-0.6B'}: {e.strerror or e}")
     if not missing:
         return model_dir
     what = (f"{repo} is not in the Hugging Face cache" if in_cache and not model_dir else
@@ -600,8 +598,7 @@ def find_model(model_arg, allow_download, fields, flag="--model"):
     except Exception as e:  # no network, no such repo, a network error midway, a full disk ...
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         fix = (f"run again to resume, or {fetch}" if getattr(e, "resumable", False) else
-               f"{fetch}; to try the script meanwhile on random weights, see README.md's "
-               "Troubleshooting")
+               f"{fetch}; meanwhile, random weights: README.md's Troubleshooting")
         raise UserError(f"{what}, and could not download {repo} ({type(e).__name__}: {reason}); "
                         f"{fix}")
 
@@ -633,8 +630,7 @@ def read_prompt(args, group):
     if args.chat and args.prompt is None:
         return None
     if group.size() > 1 and args.prompt == "-":  # mlx.launch never closes the processes' input
-        raise SharedError("--prompt - reads stdin to its end, which never comes under mlx.launch: "
-                          "give the text itself with --prompt")
+        raise SharedError("under mlx.launch stdin never ends: give --prompt the text, not -")
     if group.rank() > 0:
         return share(None, group)
     text = DEFAULT_PROMPT if args.prompt is None else as_text(args.prompt, "--prompt")
@@ -728,8 +724,7 @@ def parse_args(argv):
         if given and args.chat and args.prompt is None:
             ap.error(f"{flag} needs a single message: add --prompt to --chat")
         if given and args.trace and flag != "--trace":  # the trace makes no reply
-            ap.error(f"{flag} does not apply to --trace, which runs one forward pass and ends "
-                     "with the 5 likeliest tokens")
+            ap.error(f"{flag} does not apply to --trace, which runs one pass and makes no reply")
     if args.draft_model and (args.no_cache or args.trace or args.presence_penalty):
         ap.error("--draft-model does not apply with --no-cache, --trace or --presence-penalty")
     if args.system is not None:  # the same on every process: said once (section 20)
@@ -793,9 +788,8 @@ def describe(sampling, min_p, presence_penalty):
 def check_context(n_prompt, new_tokens, context, prompt, fix, error=SharedError):
     """Refuse a prompt of n_prompt tokens (called `prompt`) that new_tokens would overflow."""
     if n_prompt + new_tokens > context:
-        default = isinstance(new_tokens, Default) and (  # max_tokens()'s
-            " (not given: its default, half the context)" if new_tokens == context // 2
-            else " (not given: its default)")
+        default = isinstance(new_tokens, Default) and " (not given: its default" + (  # max_tokens
+            ", half the context)" if new_tokens == context // 2 else ")")
         limit = (f"; with --max-tokens {new_tokens}{default or ''} that exceeds" if new_tokens
                  else ", more than")
         raise error(f"{prompt}{limit} the model's {context}-token context: {fix}")
@@ -889,8 +883,7 @@ def piece(tokenizer, token_id):
 
 
 def print_top_probs(logits, tokenizer, n, file=None, drawn=None):
-    """The n likeliest next tokens and their probabilities, on file (sys.stderr at the call); with
-    drawn(logits), the logits a draw uses (temperature, filters), its probabilities too."""
+    """The n likeliest next tokens and their probabilities; with drawn(logits), a draw's too."""
     file = file or sys.stderr
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
     chance = mx.softmax(drawn(logits), axis=-1) if drawn else None
@@ -987,9 +980,8 @@ class ReplyPrinter:
 def check_logits(logits):
     """Refuse logits that are NaN or infinite, before they are shown as text or probabilities."""
     if not mx.all(mx.isfinite(logits)).item():
-        raise UserError("the model computed NaN or infinite logits: its activations overflowed "
-                        "(float16 can, with Qwen3: try --dtype bfloat16 or float32), or the "
-                        "weights hold NaN (re-download them)")
+        raise UserError("the model computed NaN or infinite logits: float16 overflows with Qwen3 "
+                        "(try --dtype bfloat16), or the weights hold NaN (re-download them)")
 
 
 class Prefill:
