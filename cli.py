@@ -199,7 +199,7 @@ def tensor_shapes(config, layer_shapes, has_experts=None):
 
 
 def check_weights(model_dir, config, stored, layer_shapes, has_experts=None):
-    """Each tensor's name, shape and dtype (mx.load reads headers); config, untied for own head."""
+    """Each tensor's name, shape and dtype (headers only); config, untied for a head of its own."""
     files, tensors, model_dir = weight_files(model_dir), {}, Path(model_dir)
     for path in files:
         with reading(path):
@@ -253,8 +253,7 @@ def check_weights(model_dir, config, stored, layer_shapes, has_experts=None):
 
 def stored_head_differs(files):
     """A tied checkpoint may store lm_head.weight too: a copy (Qwen3-0.6B's), or a different matrix,
-    which transformers 5 uses, and so do we (mlx-lm drops it). 64 rows of each, read from the files
-    (a length, that much JSON header, the bytes), tell them apart without reading 2 x 311 MB."""
+    which transformers 5 uses, and so do we (mlx-lm drops it). 64 rows of each tell them apart."""
     entries = {}
     for path in files:
         with reading(path), path.open("rb") as f:  # a header mx.load reads but json does not
@@ -364,8 +363,7 @@ def check_draft(args, model_dir, config, read_config, layer_shapes, read_tokeniz
 # --- Memory: will the weights fit? ----------------------------------------------------------------
 
 def weight_bytes(shapes, dtype, quantizable, bits=None, group_size=GROUP_SIZE, stored=None):
-    """The bytes the weights of these shapes take once loaded, quantized to bits (section 16) or
-    as stored ("quantization": its settings for a matrix, mixed precision, win)."""
+    """The bytes these shapes take loaded: quantized to bits (section 16), or as stored says."""
     total = 0
     for name, shape in shapes.items():
         n, how = math.prod(shape), (stored or {}).get(name.removesuffix(".weight"))
@@ -416,8 +414,7 @@ def check_memory(needed, available, dtype, working_set=None, margin=0, what=""):
 
 
 def check_fit(config, layer_shapes, dtype, bits, stored, quantizable, has_experts=None):
-    """check_memory for config's weights (this process's share) and, as README's table, 4,096
-    positions of KV cache."""
+    """check_memory for config's weights (this process's share) and 4,096 positions' KV cache."""
     shapes, c = tensor_shapes(config, layer_shapes, has_experts), config
     needed = weight_bytes(shapes, dtype, quantizable, bits or stored.get("bits"),
                           stored.get("group_size", GROUP_SIZE), stored)
@@ -686,8 +683,7 @@ def parse_args(argv):
             ("seed", int, "random seed for sampling (default: fresh)")):
         add(f"--{name.replace('_', '-')}", type=number(kind, name), help=text)
     add("--model", type=model_name, help="a model folder, or a Hugging Face repo id such as "
-        "Qwen/Qwen3-1.7B, read from Hugging Face's cache, downloaded there once (default: "
-        "./Qwen3-0.6B, else the one next to this script)")
+        "Qwen/Qwen3-1.7B, downloaded once to its cache (default: ./Qwen3-0.6B, else the script's)")
     add("--no-download", action="store_true", help="never download the model, fail instead")
     add("--chat", action="store_true", help="talk with the model in Qwen3's chat format")
     add("--system", help="system message for --chat")
@@ -703,8 +699,7 @@ def parse_args(argv):
     add("--draft-model", type=model_name, help="a smaller Qwen3 with the same tokenizer (folder or "
         "repo id) that proposes tokens for the model to check (speculative decoding, section 22)")
     add("--num-draft-tokens", type=number(int, "count"), metavar="N",
-        help=f"tokens the draft proposes per round ({NUM_DRAFT_TOKENS}, chosen in "
-        "docs/performance.md)")
+        help=f"tokens the draft proposes per round ({NUM_DRAFT_TOKENS}: docs/performance.md)")
     lab = ap.add_argument_group("experiments (README, Experiments)").add_argument
     lab("--top-probs", type=number(int, "top_probs"), metavar="N",
         help="print the N likeliest first tokens (at most 1000) and their probabilities")
@@ -796,7 +791,6 @@ def check_context(n_prompt, new_tokens, context, prompt, fix, error=SharedError)
 
 
 def check_prompt(prompt_ids, config, max_new, trace):
-    """The prompt's ids, checked against the table and the context (a trace makes no reply)."""
     check_ids(prompt_ids, config)
     fix = "shorten it" + ("" if trace else " or lower --max-tokens")
     check_context(len(prompt_ids), 0 if trace else max_new, config.max_position_embeddings,
@@ -868,9 +862,8 @@ TOKEN_COLUMNS = 18
 
 
 def piece(tokenizer, token_id):
-    """A token as shown(): its text, or, for bytes that are no whole character (a piece of one,
-    as byte-level BPE makes), <0xEF> for each, as llama.cpp writes them; <unused id> for a row
-    of the embedding table past the tokenizer's ids (Qwen3: 151936 rows, 151669 tokens)."""
+    """A token as shown(): its text, or <0xEF> for each byte of no whole character (as llama.cpp
+    writes byte-level BPE's pieces); <unused id> for a table row past the tokenizer's ids."""
     if tokenizer.id_to_token(token_id) is None:
         return "<unused id>"
     text = tokenizer.decode([token_id], skip_special_tokens=False)
@@ -908,7 +901,6 @@ class TracePrinter:
     shape = staticmethod(lambda a: f"{tuple(a.shape)} {name_of(a.dtype)}")  # "(5, 1024) float32"
 
     def step(self, name, out, what):
-        """One step of block 0: its name, the shapes of what it made (returned), what it does."""
         outs = out if isinstance(out, tuple) else (out,)
         print(f"  {name:<26} -> {', '.join(map(self.shape, outs))}  ({what})")
         return out
@@ -970,7 +962,6 @@ class ReplyPrinter:
             sys.stderr.flush()
 
     def finish(self):
-        """End the reply's line, restoring the colour if it stopped while thinking."""
         if self.thinking:
             self.show_progress(clear=True)
             sys.stdout.write(self.PLAIN if self.colour and not self.hide_think else "")
@@ -978,7 +969,6 @@ class ReplyPrinter:
 
 
 def check_logits(logits):
-    """Refuse logits that are NaN or infinite, before they are shown as text or probabilities."""
     if not mx.all(mx.isfinite(logits)).item():
         raise UserError("the model computed NaN or infinite logits: float16 overflows with Qwen3 "
                         "(try --dtype bfloat16), or the weights hold NaN (re-download them)")
