@@ -288,7 +288,6 @@ def check_tokenizer(tokenizer, config, model_dir):
     tokenizer.no_padding()
     n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
     missing = [token for token in QWEN3_TOKENS if tokenizer.token_to_id(token) is None]
-    # More tokens than rows: their ids would pick rows the embedding table lacks.
     if missing or not config.vocab_size - UNUSED_ROWS <= n_tokens <= config.vocab_size:
         raise UserError(f"{Path(model_dir) / 'tokenizer.json'} has another tokenizer ({n_tokens} "
                         f"tokens for {config.vocab_size} embedding rows"
@@ -491,8 +490,7 @@ def repo_id(text):
 
 
 def download_command(repo, model_dir):
-    """The `hf download` command to print: into the cache (model_dir None), or a --local-dir
-    relative to the current folder, else to the script's (cd), so it works on another machine."""
+    """`hf download` into the cache (model_dir None) or a relative --local-dir (works elsewhere)."""
     files = f" {' '.join(MODEL_FILES)}" if repo == HF_REPO else ""
     if model_dir is None:
         return f"hf download {repo}{files}"
@@ -510,9 +508,8 @@ def missing_files(names):
 
 
 def download_model(repo, model_dir, fields):
-    """Fetch the files Part 1 reads into model_dir (None: Hugging Face's cache); returns the folder.
-    config.json first, checked (fields: Config's) before gigabytes; the weights last, an index after
-    its shards: a folder cut off midway never looks complete, and the next run resumes it."""
+    """Part 1's files into model_dir (None: the cache): config.json first, checked before gigabytes;
+    the weights last, an index after its shards, so a folder cut off midway never looks complete."""
     import huggingface_hub as hub
     from huggingface_hub import constants
 
@@ -547,8 +544,7 @@ def download_model(repo, model_dir, fields):
 
 
 def find_model(model_arg, allow_download, fields, flag="--model"):
-    """--model's (or flag's) folder, or a repo id's copy in Hugging Face's cache, downloaded once;
-    without --model, ./Qwen3-0.6B, else the one next to the script, downloaded there."""
+    """--model's (or flag's) folder, or a repo id's copy in Hugging Face's cache, fetched once."""
     repo = repo_id(model_arg) if model_arg else HF_REPO
     names = lambda folder: {p.name for p in folder.iterdir()} if folder and folder.is_dir() else ()
     try:
@@ -642,7 +638,6 @@ def read_prompt(args, group):
 
 
 def number(kind, rule):
-    """An argparse type: a number of `kind` that passes SETTINGS[rule]."""
     def parse(text):
         try:
             value = kind(text)
@@ -975,8 +970,7 @@ def check_logits(logits):
 
 
 class Prefill:
-    """show(done, total), generate_long's progress: after PROGRESS_AFTER s, tokens and rate on
-    stderr; `spent`, the time that took, is left out of the statistics. stream() starts it."""
+    """generate_long's progress (show) on stderr; the time that takes (`spent`) goes untimed."""
 
     PROGRESS_AFTER = 2.0
 
@@ -1003,8 +997,7 @@ PREFILL = Prefill()
 
 
 def stream(tokens, printer, on_first_logits=None):
-    """Print (token id, logits) pairs until the end or Ctrl-C. Returns (interrupted, prefill s,
-    decode s), without the time spent showing progress or on_first_logits (--top-probs' table)."""
+    """Print tokens to the end or Ctrl-C: (interrupted, prefill s, decode s), less untimed work."""
     PREFILL.start()
     start = first = time.perf_counter()
     interrupted, untimed = False, 0.0
@@ -1104,8 +1097,7 @@ def read_message(interactive, group=None):
 
 
 def make_room(chat, message, max_tokens):
-    """Forget the oldest turns until the conversation, the message and a whole reply fit in the
-    context, and say so; a message too long alone is a UserError, the conversation untouched."""
+    """Forget the oldest turns until the conversation, the message and a whole reply fit; say so."""
     context, turns, dropped = chat.config.max_position_embeddings, chat.turns, 0
     ids = chat.prompt_ids(message)
     check_ids(ids, chat.config)
@@ -1126,7 +1118,6 @@ def make_room(chat, message, max_tokens):
 
 
 def check_chat_room(n_format, max_tokens, context, system):
-    """Refuse a --max-tokens that leaves no room for a message beside the chat format."""
     extra = " and --system" * bool(system)
     check_context(n_format + 1, max_tokens, context,  # + 1: a message adds at least one token
                   f"the chat format{extra} takes {n_format} tokens, and a message at least one",
