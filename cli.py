@@ -1,5 +1,4 @@
-"""The program around llm_inference.py, whose main() shows how the two fit; its sections below.
-It imports nothing from llm_inference.py."""
+"""The program around llm_inference.py (its main() shows how they fit); imports nothing from it."""
 
 import argparse
 import contextlib
@@ -428,8 +427,7 @@ def check_fit(config, layer_shapes, dtype, bits, stored, quantizable, has_expert
 
 
 def wire_weights(weights):
-    """On a Mac, keep weights that fill over half the GPU's working set resident ("wired"), as
-    mlx-lm does; set before anything is queued (MLX asks that it not change while work is)."""
+    """On a Mac, wire weights over half the GPU's working set, as mlx-lm does, before any work."""
     from mlx.utils import tree_flatten  # only this Mac step needs it
 
     arrays = {id(a): a for _, a in tree_flatten(weights) if isinstance(a, mx.array)}  # tied: once
@@ -609,8 +607,7 @@ TRANSFORMERS_DEFAULTS = {"top_p": 1.0, "top_k": 50, "min_p": 0.0}
 
 
 def as_text(data, what, error=UserError):
-    """Text as an editor reads it: UTF-8, no byte-order mark, CRLF and CR as newlines. A str from
-    the command line that was not UTF-8 holds lone surrogates: os.fsencode gives its bytes back."""
+    """Text as an editor reads it: UTF-8, no BOM, CRLF or CR as newlines; fsencode undoes argv's."""
     try:
         text = (os.fsencode(data) if isinstance(data, str) else data).decode("utf-8-sig")
     except UnicodeDecodeError:
@@ -750,8 +747,7 @@ def max_tokens(args, context):
 
 
 def sampling_settings(args, generation_config, sampling_type, group):
-    """Flags win; --chat then takes Qwen's recommendations, completion transformers' (greedy unless
-    --temperature is given). In a group, all take process 0's seed: all draw the same tokens."""
+    """Flags, else Qwen's advice (--chat) or transformers' (greedy); a group, process 0's seed."""
     if args.chat:
         recommended = QWEN3_NO_THINK if args.no_think else QWEN3_THINKING | generation_config
     else:
@@ -903,10 +899,8 @@ class TracePrinter:
     def lens_intro(self, pick, tied):
         print(f"after each block: the residual stream's size (RMS) and its logit lens: the "
               f"likeliest next token if the model stopped there, and the rank there of "
-              f"{piece(self.tokenizer, pick)}, the final pick." +
-              (" Early blocks often show the last prompt token: the stream still holds its "
-               "embedding, which the LM head, tied to the embeddings, reads back as that token."
-               if tied else ""))
+              f"{piece(self.tokenizer, pick)}, the final pick." + (" Early blocks often show the "
+              "last prompt token: the tied LM head reads its embedding back as it." * tied))
 
     def block(self, i, x, rms, top, p_top, pick, rank):
         print(f"block {i:>2} done: residual stream {self.shape(x)}, RMS {rms:.3f}, lens: "
@@ -1211,8 +1205,7 @@ def status(interrupted):
 
 
 def join(group):
-    """Process 0 reads the input for all and prints; the others print only their own errors. Ctrl-C
-    stops process 0, which finishes the shared step, prints and exits; the others then lose it."""
+    """Process 0 reads the input, prints for all and takes Ctrl-C; the others print errors only."""
     global AFTER_CTRL_C
     if group.rank() == 0:
         with contextlib.suppress(OSError):  # no terminal (ssh, a pipe): stderr it is
