@@ -251,8 +251,7 @@ def check_weights(model_dir, config, stored, layer_shapes, has_experts=None):
 
 
 def stored_head_differs(files):
-    """A tied checkpoint may store lm_head.weight too: a copy (Qwen3-0.6B's), or a different matrix,
-    which transformers 5 uses, and so do we (mlx-lm drops it). 64 rows of each tell them apart."""
+    """Whether a tied checkpoint stores another lm_head.weight (transformers 5 uses it; so do we)."""
     entries = {}
     for path in files:
         with reading(path), path.open("rb") as f:  # a header mx.load reads but json does not
@@ -373,8 +372,7 @@ def weight_bytes(shapes, dtype, quantizable, bits=None, group_size=GROUP_SIZE, s
 
 
 def memory_size():
-    """What the weights may take: a GPU's memory as MLX reports it (a Mac's, a CUDA card's); on
-    Linux, the RAM available now (MemAvailable), past which the kernel kills; else all the RAM."""
+    """What the weights may take: GPU memory, else MemAvailable (Linux kills past it), else RAM."""
     info = mx.device_info() if mx.default_device() == mx.gpu else {}
     size = info.get("memory_size") or info.get("total_memory")  # Metal's key, CUDA's key
     if size:
@@ -392,8 +390,7 @@ def gpu_working_set():
 
 
 def check_memory(needed, available, dtype, working_set=None, margin=0, what=""):
-    """Refuse weights larger than the memory available, or on a Mac than the GPU's working set,
-    before reading gigabytes only to be killed or to swap; warn when `margin` more would not fit."""
+    """Refuse weights too large before reading gigabytes; warn when `margin` more would not fit."""
     smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
     fix = f"try {smaller}--quantize 4, or a smaller model"
     if working_set and needed > working_set:
@@ -798,8 +795,7 @@ def print_header(model_arg, model_dir, config, n, dtype, weights, how, max_token
     c, matrices = config, [weights["embed_tokens"], weights["lm_head"],
                            *(w for layer in weights["layers"] for w in layer.values())]
     bits = "/".join(map(str, sorted({w.bits for w in matrices if hasattr(w, "bits")})))
-    # The share of the matrices' parameters stored quantized (a matrix whose rows do not split into
-    # whole groups stays as it is, section 16); a tied head once, the norms' vectors not at all.
+    # The share of parameters quantized (section 16 leaves some); a tied head once, no norm vectors.
     size = lambda w: w.packed.size * 32 // w.bits if hasattr(w, "bits") else w.size
     matrices = [w for w in {id(w): w for w in matrices}.values()
                 if hasattr(w, "bits") or getattr(w, "ndim", 0) > 1]
