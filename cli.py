@@ -251,7 +251,7 @@ def check_weights(model_dir, config, stored, layer_shapes, has_experts=None):
 
 
 def stored_head_differs(files):
-    """Whether a tied checkpoint stores another lm_head.weight (transformers 5 uses it; so do we)."""
+    """Whether a tied checkpoint stores another lm_head.weight (as transformers 5, we use it)."""
     entries = {}
     for path in files:
         with reading(path), path.open("rb") as f:  # a header mx.load reads but json does not
@@ -677,8 +677,7 @@ def parse_args(argv):
     add("--chat", action="store_true", help="talk with the model in Qwen3's chat format")
     add("--system", help="system message for --chat")
     add("--no-think", action="store_true", help="with --chat: skip Qwen3's <think> reasoning")
-    add("--hide-think", action="store_true",
-        help="with --chat: show a progress line instead of the reasoning")
+    add("--hide-think", action="store_true", help="with --chat: a progress line, not the reasoning")
     add("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
         help="auto = bfloat16 on a GPU, float32 on the CPU. float16 can run faster on M1/M2 "
         "Macs (no bfloat16 arithmetic), but Qwen3 can overflow it. On CUDA and M5 Macs, float32 "
@@ -694,8 +693,7 @@ def parse_args(argv):
         help="print the N likeliest first tokens (at most 1000) and their probabilities")
     lab("--trace", action="store_true",
         help="narrate one forward pass over the prompt (shapes, sizes, logit lens); no reply")
-    lab("--no-cache", action="store_true",
-        help="recompute the whole sequence at every step, without the KV cache")
+    lab("--no-cache", action="store_true", help="recompute all tokens at every step (no KV cache)")
     lab("--no-compile", action="store_true",
         help="run silu_gate and filter_logits uncompiled (section 13), so print() works inside")
     lab("--reference-ops", action="store_true",
@@ -843,14 +841,12 @@ def pad(text, width):
 PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
 BYTE_OF = {chr(c): b for b, c in zip(PRINTABLE + [b for b in range(256) if b not in PRINTABLE],
                                      PRINTABLE + [256 + k for k in range(256 - len(PRINTABLE))])}
-# A token's columns in --top-probs' table (at least) and --trace's logit lens: the widest piece of
-# bytes, <0xF0><0x9F><0x98>, fits. 855 of Qwen's 151,669 tokens are wider ('ArgumentException').
+# A token's columns (at least) in --top-probs and --trace: <0xF0><0x9F><0x98> fits; 855 are wider.
 TOKEN_COLUMNS = 18
 
 
 def piece(tokenizer, token_id):
-    """A token as shown(): its text, or <0xEF> for each byte of no whole character (as llama.cpp
-    writes byte-level BPE's pieces); <unused id> for a table row past the tokenizer's ids."""
+    """A token as shown(): its text, <0xEF> per byte of a split character, or <unused id>."""
     if tokenizer.id_to_token(token_id) is None:
         return "<unused id>"
     text = tokenizer.decode([token_id], skip_special_tokens=False)
@@ -904,8 +900,7 @@ class TracePrinter:
               f"{piece(self.tokenizer, pick)} #{rank}")
 
     def final(self, logits):
-        print(f"final RMSNorm + LM head -> logits {self.shape(logits)}; the next token's "
-              "probabilities:")
+        print(f"final RMSNorm + LM head -> logits {self.shape(logits)}; next-token probabilities:")
         print_top_probs(logits, self.tokenizer, 5, file=sys.stdout)
 
 

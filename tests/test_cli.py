@@ -476,8 +476,7 @@ def test_trace_narrates_one_forward_pass(tiny_model, reference, tmp_path, flags)
     assert (ast.literal_eval(done[-1][3]), int(done[-1][5])) == (ast.literal_eval(pick), 1)
     # The top-5 table ends the trace, headed by the pick.
     assert rest[1 + c.num_hidden_layers:] == [
-        f"final RMSNorm + LM head -> logits ({c.vocab_size},) float32; the next token's "
-        "probabilities:", "rank  token                   id  probability", *rest[-5:]], rest
+        f"final RMSNorm + LM head -> logits ({c.vocab_size},) float32; next-token probabilities:", "rank  token                   id  probability", *rest[-5:]], rest
     table = [re.fullmatch(r"\s*(\d+)  (.+?)\s+(\d+)  (\d\.\d{4})", row) for row in rest[-5:]]
     assert all(table), rest[-5:]
     assert [int(m[1]) for m in table] == [1, 2, 3, 4, 5]
