@@ -586,7 +586,7 @@ def find_model(model_arg, allow_download, fields, flag="--model"):
     except Exception as e:  # no network, no such repo, a network error midway, a full disk ...
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         fix = (f"run again to resume, or {fetch}" if getattr(e, "resumable", False) else
-               f"{fetch}; meanwhile, random weights: README.md's Troubleshooting")
+               f"{fetch}; to try random weights meanwhile, see README.md's Troubleshooting")
         raise UserError(f"{what}, and could not download {repo} ({type(e).__name__}: {reason}); "
                         f"{fix}")
 
@@ -951,7 +951,7 @@ class ReplyPrinter:
 def check_logits(logits):
     if not mx.all(mx.isfinite(logits)).item():
         raise UserError("the model computed NaN or infinite logits: float16 overflows with Qwen3 "
-                        "(try --dtype bfloat16), or the weights hold NaN (re-download them)")
+                        "(try --dtype bfloat16 or float32), or the weights hold NaN (re-download)")
 
 
 class Prefill:

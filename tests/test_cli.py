@@ -1293,8 +1293,7 @@ def test_default_folder_missing_unreachable_hub(app):
     result = run_cli(cwd=app, script=app / SCRIPT.name, HF_HUB_OFFLINE=None, HF_ENDPOINT="http://127.0.0.1:9")
     elapsed = time.monotonic() - start
     line = assert_one_line_error(result, 1, "could not download Qwen/Qwen3-0.6B", MANUAL_DOWNLOAD,
-                                 "to try the script meanwhile on random weights, see README.md's "
-                                 "Troubleshooting")
+                                 "to try random weights meanwhile, see README.md's Troubleshooting")
     assert "resume" not in line  # nothing began: only a download cut off midway resumes
     assert leftovers(app) == []
     print(f"unreachable hub: failed after {elapsed:.2f} s")
