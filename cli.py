@@ -1,5 +1,4 @@
-"""The program around llm_inference.py, whose main() shows how the two fit; its sections below.
-It imports nothing from llm_inference.py."""
+"""The program around llm_inference.py (its main() shows how they fit); imports nothing from it."""
 
 import argparse
 import contextlib
@@ -107,9 +106,8 @@ def check_config(model_dir, fields, bits=None):
         raise UserError(f"{path}: 'rope_parameters' should be an object, got {json.dumps(rope)}")
     types = fields if "qwen3" in fields else {"qwen3": fields}
     if found == "qwen3_moe" and found not in types:  # only a draft's fields lack it (section 22)
-        raise UserError(f"{path} is a mixture of experts, which cannot be a draft: section 22 "
-                        "drafts with Part 1's dense forward, and a mixture's blocks need section "
-                        "21's replacements, which apply to the model only")
+        raise UserError(f"{path} is a mixture of experts, which cannot be a draft (section 22 "
+                        "drafts with Part 1's dense blocks): use a dense Qwen3 as the draft")
     if found not in types:
         raise UserError(f"{path} is not a Qwen3 config (model_type is {found!r}, expected "
                         f"{' or '.join(map(repr, types))})")
@@ -144,14 +142,9 @@ def check_config(model_dir, fields, bits=None):
                         f"'num_key_value_heads' ({kv_heads})")
     quantization, other = raw.get("quantization") or {}, raw.get("quantization_config")
     method = other.get("quant_method") if isinstance(other, dict) else other
-    if other and not quantization and method is None:  # mlx_lm.convert writes both keys
-        raise UserError(f"{path} has a 'quantization_config' that lacks the key 'quant_method', "
-                        "and no 'quantization' (MLX's key, which mlx_lm.convert writes beside it); "
-                        "re-download config.json")
-    if other and not quantization:  # how transformers describes GPTQ, AWQ, FP8, ...
-        raise UserError(f"{path}: the weights are quantized with {method!r}, which this script "
-                        "does not read; use an unquantized or an MLX-format (mlx_lm.convert) "
-                        "checkpoint")
+    if other and not quantization:  # transformers' GPTQ, AWQ, FP8, ...; mlx_lm.convert's has both
+        raise UserError(f"{path} has a 'quantization_config' (quant_method {method!r}) but no "
+                        "'quantization' (MLX's): use an unquantized or mlx_lm.convert checkpoint")
     if not isinstance(quantization, dict):
         raise UserError(f"{path}: 'quantization' should be an object such as "
                         f'{{"group_size": 64, "bits": 4}}, got {quantization!r}')
@@ -205,8 +198,7 @@ def tensor_shapes(config, layer_shapes, has_experts=None):
 
 
 def check_weights(model_dir, config, stored, layer_shapes, has_experts=None):
-    """Every tensor Part 1 needs, with its shape and a dtype it reads, and none config.json does
-    not describe (mx.load reads only the headers). Returns config, untied for a head of its own."""
+    """Each tensor's name, shape and dtype (headers only); config, untied for a head of its own."""
     files, tensors, model_dir = weight_files(model_dir), {}, Path(model_dir)
     for path in files:
         with reading(path):
@@ -259,9 +251,7 @@ def check_weights(model_dir, config, stored, layer_shapes, has_experts=None):
 
 
 def stored_head_differs(files):
-    """A tied checkpoint may store lm_head.weight too: a copy (Qwen3-0.6B's), or a different matrix,
-    which transformers 5 uses, and so do we (mlx-lm drops it). 64 rows of each, read from the files
-    (a length, that much JSON header, the bytes), tell them apart without reading 2 x 311 MB."""
+    """Whether a tied checkpoint stores another lm_head.weight (as transformers 5, we use it)."""
     entries = {}
     for path in files:
         with reading(path), path.open("rb") as f:  # a header mx.load reads but json does not
@@ -295,15 +285,12 @@ def check_tokenizer(tokenizer, config, model_dir):
     tokenizer.no_truncation()  # a tokenizer.json may ask to cut or pad every text: not a prompt
     tokenizer.no_padding()
     n_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
-    path = Path(model_dir) / "tokenizer.json"
-    if n_tokens > config.vocab_size:  # its ids would pick rows the embedding table lacks
-        raise UserError(f"{path} has {n_tokens} tokens, but the embedding table has only "
-                        f"{config.vocab_size} rows (vocab_size): not one model's files")
     missing = [token for token in QWEN3_TOKENS if tokenizer.token_to_id(token) is None]
-    if missing or n_tokens < config.vocab_size - UNUSED_ROWS:
-        raise UserError(f"{path} has another tokenizer ({n_tokens} tokens for {config.vocab_size} "
-                        f"embedding rows{', without ' + missing[0] if missing else ''}): not one "
-                        "model's files; put the model's own tokenizer.json beside its weights")
+    if missing or not config.vocab_size - UNUSED_ROWS <= n_tokens <= config.vocab_size:
+        raise UserError(f"{Path(model_dir) / 'tokenizer.json'} has another tokenizer ({n_tokens} "
+                        f"tokens for {config.vocab_size} embedding rows"
+                        f"{', without ' + missing[0] if missing else ''}): put the model's own "
+                        "tokenizer.json beside its weights")
 
 
 def check_ids(ids, config):
@@ -373,8 +360,7 @@ def check_draft(args, model_dir, config, read_config, layer_shapes, read_tokeniz
 # --- Memory: will the weights fit? ----------------------------------------------------------------
 
 def weight_bytes(shapes, dtype, quantizable, bits=None, group_size=GROUP_SIZE, stored=None):
-    """The bytes the weights of these shapes take once loaded, quantized to bits (section 16) or
-    as stored ("quantization": its settings for a matrix, mixed precision, win)."""
+    """The bytes these shapes take loaded: quantized to bits (section 16), or as stored says."""
     total = 0
     for name, shape in shapes.items():
         n, how = math.prod(shape), (stored or {}).get(name.removesuffix(".weight"))
@@ -386,8 +372,7 @@ def weight_bytes(shapes, dtype, quantizable, bits=None, group_size=GROUP_SIZE, s
 
 
 def memory_size():
-    """What the weights may take: a GPU's memory as MLX reports it (a Mac's, a CUDA card's); on
-    Linux, the RAM available now (MemAvailable), past which the kernel kills; else all the RAM."""
+    """What the weights may take: GPU memory, else MemAvailable (Linux kills past it), else RAM."""
     info = mx.device_info() if mx.default_device() == mx.gpu else {}
     size = info.get("memory_size") or info.get("total_memory")  # Metal's key, CUDA's key
     if size:
@@ -405,8 +390,7 @@ def gpu_working_set():
 
 
 def check_memory(needed, available, dtype, working_set=None, margin=0, what=""):
-    """Refuse weights larger than the memory available, or on a Mac than the GPU's working set,
-    before reading gigabytes only to be killed or to swap; warn when `margin` more would not fit."""
+    """Refuse weights too large before reading gigabytes; warn when `margin` more would not fit."""
     smaller = "--dtype bfloat16 (half the bytes), " if dtype.size == 4 else ""
     fix = f"try {smaller}--quantize 4, or a smaller model"
     if working_set and needed > working_set:
@@ -425,8 +409,7 @@ def check_memory(needed, available, dtype, working_set=None, margin=0, what=""):
 
 
 def check_fit(config, layer_shapes, dtype, bits, stored, quantizable, has_experts=None):
-    """check_memory for the weights of config (this process's share), with room for a KV cache
-    of 4,096 positions (as the README's table counts it)."""
+    """check_memory for config's weights (this process's share) and 4,096 positions' KV cache."""
     shapes, c = tensor_shapes(config, layer_shapes, has_experts), config
     needed = weight_bytes(shapes, dtype, quantizable, bits or stored.get("bits"),
                           stored.get("group_size", GROUP_SIZE), stored)
@@ -441,8 +424,7 @@ def check_fit(config, layer_shapes, dtype, bits, stored, quantizable, has_expert
 
 
 def wire_weights(weights):
-    """On a Mac, keep weights that fill over half the GPU's working set resident ("wired"), as
-    mlx-lm does; set before anything is queued (MLX asks that it not change while work is)."""
+    """On a Mac, wire weights over half the GPU's working set, as mlx-lm does, before any work."""
     from mlx.utils import tree_flatten  # only this Mac step needs it
 
     arrays = {id(a): a for _, a in tree_flatten(weights) if isinstance(a, mx.array)}  # tied: once
@@ -503,8 +485,7 @@ def repo_id(text):
 
 
 def download_command(repo, model_dir):
-    """The `hf download` command to print: into the cache (model_dir None), or a --local-dir
-    relative to the current folder, else to the script's (cd), so it works on another machine."""
+    """`hf download` into the cache (model_dir None) or a relative --local-dir (works elsewhere)."""
     files = f" {' '.join(MODEL_FILES)}" if repo == HF_REPO else ""
     if model_dir is None:
         return f"hf download {repo}{files}"
@@ -522,9 +503,8 @@ def missing_files(names):
 
 
 def download_model(repo, model_dir, fields):
-    """Fetch the files Part 1 reads into model_dir (None: Hugging Face's cache); returns the folder.
-    config.json first, checked (fields: Config's) before gigabytes; the weights last, an index after
-    its shards: a folder cut off midway never looks complete, and the next run resumes it."""
+    """Part 1's files into model_dir (None: the cache): config.json first, checked before gigabytes;
+    the weights last, an index after its shards, so a folder cut off midway never looks complete."""
     import huggingface_hub as hub
     from huggingface_hub import constants
 
@@ -559,8 +539,7 @@ def download_model(repo, model_dir, fields):
 
 
 def find_model(model_arg, allow_download, fields, flag="--model"):
-    """--model's (or flag's) folder, or a repo id's copy in Hugging Face's cache, downloaded once;
-    without --model, ./Qwen3-0.6B, else the one next to the script, downloaded there."""
+    """--model's (or flag's) folder, or a repo id's copy in Hugging Face's cache, fetched once."""
     repo = repo_id(model_arg) if model_arg else HF_REPO
     names = lambda folder: {p.name for p in folder.iterdir()} if folder and folder.is_dir() else ()
     try:
@@ -580,8 +559,7 @@ def find_model(model_arg, allow_download, fields, flag="--model"):
         # Names, not files: a directory in a file's place is reported as unreadable when read.
         missing = missing_files(names(model_dir))
     except OSError as e:  # a name too long, a folder without permission, ...
-        raise UserError(f"cannot read the model folder {model_arg or 'Qwen3-0.6B'}: "
-                        f"{e.strerror or e}")
+        raise UserError(f"cannot read the folder {model_arg or 'Qwen3-0.6B'}: {e.strerror or e}")
     if not missing:
         return model_dir
     what = (f"{repo} is not in the Hugging Face cache" if in_cache and not model_dir else
@@ -608,8 +586,7 @@ def find_model(model_arg, allow_download, fields, flag="--model"):
     except Exception as e:  # no network, no such repo, a network error midway, a full disk ...
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         fix = (f"run again to resume, or {fetch}" if getattr(e, "resumable", False) else
-               f"{fetch}; to try the script meanwhile on random weights, see README.md's "
-               "Troubleshooting")
+               f"{fetch}; to try random weights meanwhile, see README.md's Troubleshooting")
         raise UserError(f"{what}, and could not download {repo} ({type(e).__name__}: {reason}); "
                         f"{fix}")
 
@@ -627,8 +604,7 @@ TRANSFORMERS_DEFAULTS = {"top_p": 1.0, "top_k": 50, "min_p": 0.0}
 
 
 def as_text(data, what, error=UserError):
-    """Text as an editor reads it: UTF-8, no byte-order mark, CRLF and CR as newlines. A str from
-    the command line that was not UTF-8 holds lone surrogates: os.fsencode gives its bytes back."""
+    """Text as an editor reads it: UTF-8, no BOM, CRLF or CR as newlines; fsencode undoes argv's."""
     try:
         text = (os.fsencode(data) if isinstance(data, str) else data).decode("utf-8-sig")
     except UnicodeDecodeError:
@@ -641,8 +617,7 @@ def read_prompt(args, group):
     if args.chat and args.prompt is None:
         return None
     if group.size() > 1 and args.prompt == "-":  # mlx.launch never closes the processes' input
-        raise SharedError("--prompt - reads stdin to its end, which never comes under mlx.launch: "
-                          "give the text itself with --prompt")
+        raise SharedError("under mlx.launch stdin never ends: give --prompt the text, not -")
     if group.rank() > 0:
         return share(None, group)
     text = DEFAULT_PROMPT if args.prompt is None else as_text(args.prompt, "--prompt")
@@ -657,7 +632,6 @@ def read_prompt(args, group):
 
 
 def number(kind, rule):
-    """An argparse type: a number of `kind` that passes SETTINGS[rule]."""
     def parse(text):
         try:
             value = kind(text)
@@ -698,14 +672,12 @@ def parse_args(argv):
             ("seed", int, "random seed for sampling (default: fresh)")):
         add(f"--{name.replace('_', '-')}", type=number(kind, name), help=text)
     add("--model", type=model_name, help="a model folder, or a Hugging Face repo id such as "
-        "Qwen/Qwen3-1.7B, read from Hugging Face's cache, downloaded there once (default: "
-        "./Qwen3-0.6B, else the one next to this script)")
+        "Qwen/Qwen3-1.7B, downloaded once to its cache (default: ./Qwen3-0.6B, else the script's)")
     add("--no-download", action="store_true", help="never download the model, fail instead")
     add("--chat", action="store_true", help="talk with the model in Qwen3's chat format")
     add("--system", help="system message for --chat")
     add("--no-think", action="store_true", help="with --chat: skip Qwen3's <think> reasoning")
-    add("--hide-think", action="store_true",
-        help="with --chat: show a progress line instead of the reasoning")
+    add("--hide-think", action="store_true", help="with --chat: a progress line, not the reasoning")
     add("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
         help="auto = bfloat16 on a GPU, float32 on the CPU. float16 can run faster on M1/M2 "
         "Macs (no bfloat16 arithmetic), but Qwen3 can overflow it. On CUDA and M5 Macs, float32 "
@@ -715,15 +687,13 @@ def parse_args(argv):
     add("--draft-model", type=model_name, help="a smaller Qwen3 with the same tokenizer (folder or "
         "repo id) that proposes tokens for the model to check (speculative decoding, section 22)")
     add("--num-draft-tokens", type=number(int, "count"), metavar="N",
-        help=f"tokens the draft proposes per round ({NUM_DRAFT_TOKENS}, chosen in "
-        "docs/performance.md)")
+        help=f"tokens the draft proposes per round ({NUM_DRAFT_TOKENS}: docs/performance.md)")
     lab = ap.add_argument_group("experiments (README, Experiments)").add_argument
     lab("--top-probs", type=number(int, "top_probs"), metavar="N",
         help="print the N likeliest first tokens (at most 1000) and their probabilities")
     lab("--trace", action="store_true",
         help="narrate one forward pass over the prompt (shapes, sizes, logit lens); no reply")
-    lab("--no-cache", action="store_true",
-        help="recompute the whole sequence at every step, without the KV cache")
+    lab("--no-cache", action="store_true", help="recompute all tokens at every step (no KV cache)")
     lab("--no-compile", action="store_true",
         help="run silu_gate and filter_logits uncompiled (section 13), so print() works inside")
     lab("--reference-ops", action="store_true",
@@ -736,8 +706,7 @@ def parse_args(argv):
         if given and args.chat and args.prompt is None:
             ap.error(f"{flag} needs a single message: add --prompt to --chat")
         if given and args.trace and flag != "--trace":  # the trace makes no reply
-            ap.error(f"{flag} does not apply to --trace, which runs one forward pass and ends "
-                     "with the 5 likeliest tokens")
+            ap.error(f"{flag} does not apply to --trace, which runs one pass and makes no reply")
     if args.draft_model and (args.no_cache or args.trace or args.presence_penalty):
         ap.error("--draft-model does not apply with --no-cache, --trace or --presence-penalty")
     if args.system is not None:  # the same on every process: said once (section 20)
@@ -773,8 +742,7 @@ def max_tokens(args, context):
 
 
 def sampling_settings(args, generation_config, sampling_type, group):
-    """Flags win; --chat then takes Qwen's recommendations, completion transformers' (greedy unless
-    --temperature is given). In a group, all take process 0's seed: all draw the same tokens."""
+    """Flags, else Qwen's advice (--chat) or transformers' (greedy); a group, process 0's seed."""
     if args.chat:
         recommended = QWEN3_NO_THINK if args.no_think else QWEN3_THINKING | generation_config
     else:
@@ -801,16 +769,14 @@ def describe(sampling, min_p, presence_penalty):
 def check_context(n_prompt, new_tokens, context, prompt, fix, error=SharedError):
     """Refuse a prompt of n_prompt tokens (called `prompt`) that new_tokens would overflow."""
     if n_prompt + new_tokens > context:
-        default = isinstance(new_tokens, Default) and (  # max_tokens()'s
-            " (not given: its default, half the context)" if new_tokens == context // 2
-            else " (not given: its default)")
+        default = isinstance(new_tokens, Default) and " (not given: its default" + (  # max_tokens
+            ", half the context)" if new_tokens == context // 2 else ")")
         limit = (f"; with --max-tokens {new_tokens}{default or ''} that exceeds" if new_tokens
                  else ", more than")
         raise error(f"{prompt}{limit} the model's {context}-token context: {fix}")
 
 
 def check_prompt(prompt_ids, config, max_new, trace):
-    """The prompt's ids, checked against the table and the context (a trace makes no reply)."""
     check_ids(prompt_ids, config)
     fix = "shorten it" + ("" if trace else " or lower --max-tokens")
     check_context(len(prompt_ids), 0 if trace else max_new, config.max_position_embeddings,
@@ -827,8 +793,7 @@ def print_header(model_arg, model_dir, config, n, dtype, weights, how, max_token
     c, matrices = config, [weights["embed_tokens"], weights["lm_head"],
                            *(w for layer in weights["layers"] for w in layer.values())]
     bits = "/".join(map(str, sorted({w.bits for w in matrices if hasattr(w, "bits")})))
-    # The share of the matrices' parameters stored quantized (a matrix whose rows do not split into
-    # whole groups stays as it is, section 16); a tied head once, the norms' vectors not at all.
+    # The share of parameters quantized (section 16 leaves some); a tied head once, no norm vectors.
     size = lambda w: w.packed.size * 32 // w.bits if hasattr(w, "bits") else w.size
     matrices = [w for w in {id(w): w for w in matrices}.values()
                 if hasattr(w, "bits") or getattr(w, "ndim", 0) > 1]
@@ -876,15 +841,12 @@ def pad(text, width):
 PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
 BYTE_OF = {chr(c): b for b, c in zip(PRINTABLE + [b for b in range(256) if b not in PRINTABLE],
                                      PRINTABLE + [256 + k for k in range(256 - len(PRINTABLE))])}
-# A token's columns in --top-probs' table (at least) and --trace's logit lens: the widest piece of
-# bytes, <0xF0><0x9F><0x98>, fits. 855 of Qwen's 151,669 tokens are wider ('ArgumentException').
+# A token's columns (at least) in --top-probs and --trace: <0xF0><0x9F><0x98> fits; 855 are wider.
 TOKEN_COLUMNS = 18
 
 
 def piece(tokenizer, token_id):
-    """A token as shown(): its text, or, for bytes that are no whole character (a piece of one,
-    as byte-level BPE makes), <0xEF> for each, as llama.cpp writes them; <unused id> for a row
-    of the embedding table past the tokenizer's ids (Qwen3: 151936 rows, 151669 tokens)."""
+    """A token as shown(): its text, <0xEF> per byte of a split character, or <unused id>."""
     if tokenizer.id_to_token(token_id) is None:
         return "<unused id>"
     text = tokenizer.decode([token_id], skip_special_tokens=False)
@@ -897,8 +859,7 @@ def piece(tokenizer, token_id):
 
 
 def print_top_probs(logits, tokenizer, n, file=None, drawn=None):
-    """The n likeliest next tokens and their probabilities, on file (sys.stderr at the call); with
-    drawn(logits), the logits a draw uses (temperature, filters), its probabilities too."""
+    """The n likeliest next tokens and their probabilities; with drawn(logits), a draw's too."""
     file = file or sys.stderr
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
     chance = mx.softmax(drawn(logits), axis=-1) if drawn else None
@@ -923,7 +884,6 @@ class TracePrinter:
     shape = staticmethod(lambda a: f"{tuple(a.shape)} {name_of(a.dtype)}")  # "(5, 1024) float32"
 
     def step(self, name, out, what):
-        """One step of block 0: its name, the shapes of what it made (returned), what it does."""
         outs = out if isinstance(out, tuple) else (out,)
         print(f"  {name:<26} -> {', '.join(map(self.shape, outs))}  ({what})")
         return out
@@ -931,10 +891,8 @@ class TracePrinter:
     def lens_intro(self, pick, tied):
         print(f"after each block: the residual stream's size (RMS) and its logit lens: the "
               f"likeliest next token if the model stopped there, and the rank there of "
-              f"{piece(self.tokenizer, pick)}, the final pick." +
-              (" Early blocks often show the last prompt token: the stream still holds its "
-               "embedding, which the LM head, tied to the embeddings, reads back as that token."
-               if tied else ""))
+              f"{piece(self.tokenizer, pick)}, the final pick." + (" Early blocks often show the "
+              "last prompt token: the tied LM head reads its embedding back as it." * tied))
 
     def block(self, i, x, rms, top, p_top, pick, rank):
         print(f"block {i:>2} done: residual stream {self.shape(x)}, RMS {rms:.3f}, lens: "
@@ -942,8 +900,7 @@ class TracePrinter:
               f"{piece(self.tokenizer, pick)} #{rank}")
 
     def final(self, logits):
-        print(f"final RMSNorm + LM head -> logits {self.shape(logits)}; the next token's "
-              "probabilities:")
+        print(f"final RMSNorm + LM head -> logits {self.shape(logits)}; next-token probabilities:")
         print_top_probs(logits, self.tokenizer, 5, file=sys.stdout)
 
 
@@ -985,7 +942,6 @@ class ReplyPrinter:
             sys.stderr.flush()
 
     def finish(self):
-        """End the reply's line, restoring the colour if it stopped while thinking."""
         if self.thinking:
             self.show_progress(clear=True)
             sys.stdout.write(self.PLAIN if self.colour and not self.hide_think else "")
@@ -993,16 +949,13 @@ class ReplyPrinter:
 
 
 def check_logits(logits):
-    """Refuse logits that are NaN or infinite, before they are shown as text or probabilities."""
     if not mx.all(mx.isfinite(logits)).item():
-        raise UserError("the model computed NaN or infinite logits: its activations overflowed "
-                        "(float16 can, with Qwen3: try --dtype bfloat16 or float32), or the "
-                        "weights hold NaN (re-download them)")
+        raise UserError("the model computed NaN or infinite logits: float16 overflows with Qwen3 "
+                        "(try --dtype bfloat16 or float32), or the weights hold NaN (re-download)")
 
 
 class Prefill:
-    """show(done, total), generate_long's progress: after PROGRESS_AFTER s, tokens and rate on
-    stderr; `spent`, the time that took, is left out of the statistics. stream() starts it."""
+    """generate_long's progress (show) on stderr; the time that takes (`spent`) goes untimed."""
 
     PROGRESS_AFTER = 2.0
 
@@ -1029,8 +982,7 @@ PREFILL = Prefill()
 
 
 def stream(tokens, printer, on_first_logits=None):
-    """Print (token id, logits) pairs until the end or Ctrl-C. Returns (interrupted, prefill s,
-    decode s), without the time spent showing progress or on_first_logits (--top-probs' table)."""
+    """Print tokens to the end or Ctrl-C: (interrupted, prefill s, decode s), less untimed work."""
     PREFILL.start()
     start = first = time.perf_counter()
     interrupted, untimed = False, 0.0
@@ -1130,8 +1082,7 @@ def read_message(interactive, group=None):
 
 
 def make_room(chat, message, max_tokens):
-    """Forget the oldest turns until the conversation, the message and a whole reply fit in the
-    context, and say so; a message too long alone is a UserError, the conversation untouched."""
+    """Forget the oldest turns until the conversation, the message and a whole reply fit; say so."""
     context, turns, dropped = chat.config.max_position_embeddings, chat.turns, 0
     ids = chat.prompt_ids(message)
     check_ids(ids, chat.config)
@@ -1152,7 +1103,6 @@ def make_room(chat, message, max_tokens):
 
 
 def check_chat_room(n_format, max_tokens, context, system):
-    """Refuse a --max-tokens that leaves no room for a message beside the chat format."""
     extra = " and --system" * bool(system)
     check_context(n_format + 1, max_tokens, context,  # + 1: a message adds at least one token
                   f"the chat format{extra} takes {n_format} tokens, and a message at least one",
@@ -1246,8 +1196,7 @@ def status(interrupted):
 
 
 def join(group):
-    """Process 0 reads the input for all and prints; the others print only their own errors. Ctrl-C
-    stops process 0, which finishes the shared step, prints and exits; the others then lose it."""
+    """Process 0 reads the input, prints for all and takes Ctrl-C; the others print errors only."""
     global AFTER_CTRL_C
     if group.rank() == 0:
         with contextlib.suppress(OSError):  # no terminal (ssh, a pipe): stderr it is

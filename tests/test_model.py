@@ -536,8 +536,9 @@ def test_a_tokenizer_larger_than_the_embedding_table_is_refused(tmp_path):
     assert n_tokens == 151669
     with pytest.raises(cli.UserError) as error:
         load_model(folder, mx.float32)
-    assert str(error.value) == (f"{folder / 'tokenizer.json'} has 151669 tokens, but the embedding "
-                                "table has only 1000 rows (vocab_size): not one model's files")
+    assert str(error.value) == (f"{folder / 'tokenizer.json'} has another tokenizer (151669 tokens "
+                                "for 1000 embedding rows): put the model's own tokenizer.json "
+                                "beside its weights")
 
 
 @pytest.mark.parametrize("shards", [1, 3])
