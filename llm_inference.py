@@ -46,8 +46,8 @@ from tokenizers.decoders import DecodeStream
 # this code. Only a prompt of over 32 tokens may first go through in pieces (section 14).
 # A plain run swaps five of these functions for faster ones that compute the same. MLX's fused
 # kernels do in one step on a GPU what several operations do here (section 12). Compilation
-# merges a function's element-wise steps into one (section 13). Quantizing, several processes and
-# min-p swap in others. Part 2 says which, and why.
+# merges a function's element-wise steps into one (section 13). Quantizing, sampling controls,
+# several processes, experts and a draft model swap in others. Part 2 says which, and why.
 
 # --- 1. Load: the hyper-parameters from config.json, the weights from *.safetensors ---------------
 
@@ -345,7 +345,7 @@ class Sampling(NamedTuple):
     """Greedy by default. cli.py fills in what no flag sets. --temperature alone also brings
     generation_config.json's top-k and top-p: 20 and 0.95 for Qwen3 (without the file, 50 and
     1.0, transformers' defaults). A thinking chat takes all three from it: temperature 0.6, top-k
-    20, top-p 0.95. main() also draws a random seed, unless given one."""
+    20, top-p 0.95. cli.py also draws a random seed, unless given one."""
     temperature: float = 0.0  # 0 = greedy: always the most likely token
     top_k: int = 0  # keep the k most likely tokens (0 = all) ...
     top_p: float = 1.0  # ... then the fewest whose probabilities add up to >= top_p (nucleus)
@@ -584,7 +584,7 @@ def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), 
     # generate() runs its tokens through all layers in one mx.eval(): at most pace / n_layers.
     while total > SHORT_PROMPT and total - done > min(max(pace // n_layers, 1), PREFILL_CHUNK):
         size = min(pace, PREFILL_CHUNK, total - done - 1)
-        size = 2 ** int(math.log2(size))  # a power of two: at most half as large
+        size = 2 ** int(math.log2(size))  # a power of two: at most halving it
         start = time.perf_counter()
         forward(mx.array(prompt_ids[done : done + size]), weights, config, cache)  # recorded only
         # mx.eval() of some layers' keys and values runs those layers, never the logits.
@@ -635,8 +635,8 @@ def generate_without_cache(prompt_ids, weights, config, max_tokens, sampling=Sam
 # save time only where reading the weights limits decoding, as expected for large models on a Mac.
 # Qwen3-8B reads 15.1 GB of matrices per token in bfloat16 (of the embedding table, one row). At
 # 100 GB/s that takes 151 ms per token, and its 4.3 GB at 4 bits 43 ms. For a small model on a big
-# GPU, each operation's fixed cost sets the pace instead. On a CPU, MLX's quantized product is no
-# faster than its float32 one (docs/performance.md#quantized-weights).
+# GPU, each operation's fixed cost sets the pace instead. On a CPU, MLX's quantized product is
+# barely faster than its float32 one (docs/performance.md#quantized-weights).
 #
 # Group-wise affine quantization, as in mlx-lm, cuts each row into groups of 64 weights. A group
 # keeps an integer q from 0 to 2^bits - 1 per weight, and one scale and one bias, so that
@@ -1181,7 +1181,7 @@ def use_experts(config, bits=None):
 # --- 22. Speculative decoding: a small model drafts, the large one checks (--draft-model) --------
 #
 # The problem. Where reading the weights limits decoding (section 16), generate() reads all of them
-# for each token. Yet a pass over a few positions costs little more than a pass over one
+# for each token. Yet a pass over a few positions costs far less than that many passes over one
 # (docs/performance.md#speculative-decoding---draft-model).
 #
 # The idea (Leviathan et al. 2023; Chen et al. 2023). A small draft model with the same tokenizer
