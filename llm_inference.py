@@ -1311,6 +1311,184 @@ def use_speculative(draft, k, min_p=0.0):
     return rounds
 
 
+# --- 23. Many prompts at once: batched decoding and continuous batching (--prompts) -------------
+#
+# The problem. A decode step reads every weight once for one token (section 16), so where reading
+# the weights sets the pace (docs/performance.md#what-limits-decoding), 50 prompts one after
+# another read them 50 times per token. B prompts decoded in one pass share one read: each
+# product becomes (B, in) @ (in, out), for little more time than (1, in) @ (in, out).
+#
+# The idea: a static batch. Rows of different lengths are padded on the left to one length, so
+# every row's last prompt token sits in the same column. Then each decode step appends one column
+# to every row, and each row's next token comes from the logits of the last column. Padded on the
+# right, each row would end in its own column and write its next token there: no shared column.
+# By hand: prompts a b, c d e f and g h i (2, 4 and 3 tokens), padded to 4 (_ is padding, its
+# count the row's pad). A query sees the keys from its row's first token up to its own column
+# (x), as below for row 0. A padding query sees itself only, so no row of the softmax is empty.
+#   row 0   _ _ a b   pad 2        row 0's mask   key: 0 1 2 3
+#   row 1   c d e f   pad 0                   query 0  x . . .     query 2  . . x .
+#   row 2   _ g h i   pad 1                   query 1  . x . .     query 3  . . x x
+# Positions for RoPE. Column j has the one position first + j for every row (first = 0 at the
+# start), so a is at position 2, not 0 as alone. RoPE's scores depend only on the difference of
+# the query's and the key's positions (section 5), which the shift keeps: the same attention, to
+# rounding (tests/test_batch.py compares logits). One shared position lets one rotation serve all.
+# Continuous batching. Say row 0 ends (an end-of-sequence id, or max_tokens) after 3 new tokens,
+# so the cache holds 7 columns. The next waiting prompt takes its row: j k l m n (5 tokens) is
+# prefilled alone at positions first + 2 ... first + 6, and its keys and values go into columns 2
+# to 6, pad 2. Its first new token joins the next step. A prompt of 9 tokens would not fit: every
+# row gains 2 columns of padding on the left, and first becomes -2, so no key's position changes.
+# When rows end, columns that are padding in every row left are dropped (first grows as much).
+# The loop, in the order it runs:
+#   1. join     waiting prompts take the free rows: prefilled together, padded on the left
+#   2. decode   record the next step on every row's token, not yet computed (as generate() does)
+#   3. yield    wait for the tokens, and yield (prompt index, token) for each row
+#   4. end      drop the rows that ended, from the cache and the step just recorded
+# Sampling per row. Each row keeps its own key, mx.random.key(seed) split once per token as
+# generate() splits it. Other rows never touch it, so a prompt draws with the keys it has alone.
+# Greedy, each row takes the argmax of its own logits, in one operation for the batch.
+# Shapes for B = 4 and Qwen3-0.6B, prompts of 5, 9, 7 and 12 tokens, padded to 12:
+#   prefill   ids (4, 12) -> x (4, 12, 1024) -> q (4, 16, 12, 128), k and v (4, 8, 12, 128)
+#             KV cache (4, 8, 12, 128) a layer, mask (4, 1, 12, 12), SwiGLU on (48, 1024)
+#             the last column (4, 1024) -> logits (4, 151936) -> tokens (4,)
+#   decode    ids (4, 1) -> q (4, 16, 1, 128), KV cache (4, 8, 13, 128), mask (4, 1, 1, 13)
+# Not built: paged attention. Here a row's keys and values are a slice of one (B, 8, total, 128)
+# array. The longest row sets total, the others hold padding, and each join or end copies the
+# array. vLLM keeps each sequence's cache in fixed-size blocks (16 positions) from one shared
+# pool, with a table per sequence of its blocks. Then nothing is padded, nothing is copied when
+# rows come and go, and prompts that share a beginning share its blocks. It needs an attention
+# kernel that reads keys through such a table, which MLX does not have.
+# Try it: python llm_inference.py --prompts prompts.txt --batch-size 8
+# It replaces nothing: main() calls generate_batch() for --prompts, and generate_long() for
+# --prompt as before. That is safe, as each prompt gets the tokens it gets alone: greedy, to
+# rounding, and sampled, with the same seed (tests/test_batch.py checks both). The attention is
+# mx.fast's, even with --reference-ops. It takes a mask, a boolean array that broadcasts to
+# (B, 16, seq, total) (false: the key is hidden), and lets 8 key/value heads serve 16 query heads.
+
+def batch_attention(x, layer, config, cache, mask, first):
+    """attention() for rows: x (B, seq, 1024), whose column 0 is at RoPE position `first`."""
+    c, (rows, seq, _) = config, x.shape
+    heads = lambda name, n: linear(x, layer[name]).reshape(rows, seq, n, c.head_dim)
+    q = rms_norm(heads("q_proj", c.num_attention_heads), layer["q_norm"], c.rms_norm_eps)
+    k = rms_norm(heads("k_proj", c.num_key_value_heads), layer["k_norm"], c.rms_norm_eps)
+    position = first + cache.offset  # of the first of these seq columns
+    q = apply_rope(q.swapaxes(1, 2), position, c.rope_theta)  # (B, 16, seq, 128)
+    k = apply_rope(k.swapaxes(1, 2), position, c.rope_theta)  # (B, 8, seq, 128)
+    v = heads("v_proj", c.num_key_value_heads).swapaxes(1, 2)
+    k, v = cache.update_and_fetch(k, v)  # (B, 8, total, 128)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(c.head_dim), mask=mask)
+    return linear(out.swapaxes(1, 2).reshape(rows, seq, -1), layer["o_proj"])  # (B, seq, 1024)
+
+
+def forward_batch(token_ids, weights, config, cache, pads, first):
+    """forward() for rows: token_ids (B, seq) continue `cache`, row b's columns before pads[b] are
+    padding. -> the logits of each row's last column (B, vocab)."""
+    rows, seq = token_ids.shape
+    total = cache[0].offset + seq
+    keys = mx.arange(total)
+    queries = keys[total - seq :]  # the columns of these seq tokens
+    # A query sees keys from its row's first token (or, if padding, itself) up to its own.
+    start = mx.minimum(mx.array(pads)[:, None], queries[None, :])  # (B, seq)
+    mask = (keys >= start[..., None]) & (keys <= queries[:, None])  # (B, seq, total)
+    x = embed(token_ids, weights["embed_tokens"])  # (B, seq, 1024)
+    eps = config.rms_norm_eps
+    for layer, layer_cache in zip(weights["layers"], cache):  # transformer_block(), for rows
+        h = rms_norm(x, layer["input_layernorm"], eps)
+        x = x + batch_attention(h, layer, config, layer_cache, mask[:, None], first)
+        h = rms_norm(x, layer["post_attention_layernorm"], eps)
+        x = x + swiglu(h.reshape(rows * seq, -1), layer).reshape(x.shape)  # (B x seq, 1024) in
+    x = rms_norm(x[:, -1], weights["norm"], eps)  # (B, 1024)
+    return linear(x, weights["lm_head"])  # (B, vocab)
+
+
+def shift_cache(cache, rows, by):
+    """Keep the cache's `rows` (an array of row indices), moved `by` columns to the right (zeros
+    come in on the left), or if by < 0, to the left (the first -by columns go)."""
+    for layer_cache in cache:
+        for name in ("keys", "values"):
+            kept = getattr(layer_cache, name)[rows, :, max(0, -by) : layer_cache.offset]
+            zeros = mx.zeros((*kept.shape[:2], max(0, by), kept.shape[-1]), kept.dtype)
+            setattr(layer_cache, name, mx.concatenate([zeros, kept], axis=2))
+        layer_cache.offset += by
+
+
+def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
+                   batch_size=8):
+    """Yield (i, token_id) for prompts (a list of lists of ids), i the prompt's index, as each
+    step computes them. At most batch_size rows are decoded together. A prompt ends after a token
+    in eos_ids (yielded too) or after max_tokens tokens, as in generate(); its row then takes the
+    next waiting prompt (continuous batching). Each row draws with its own key chain started from
+    mx.random.key(sampling.seed), exactly as generate() does alone, so each prompt's tokens are
+    the ones generate_long() gives it alone (greedy: to rounding; sampled: the same seed)."""
+    waiting = list(range(len(prompts)))[::-1]  # pop() takes prompt 0 first
+    rows, pads, keys, counts = [], [], [], []  # per row: prompt index, padding, key, tokens out
+    cache, first = make_cache(config), 0  # first: the RoPE position of column 0
+    no_tokens = mx.zeros((0,), mx.uint32)
+    tokens = no_tokens  # each row's next token, not yet in the cache
+
+    def pick(logits, row_keys):  # (B, vocab) -> (B,), splitting each row's key as generate() does
+        if sampling.temperature == 0:
+            return sample(logits, sampling, None)  # the argmax of each row, in one operation
+        picked = []
+        for row, key in enumerate(row_keys):
+            row_keys[row], pick_key = mx.random.split(key)
+            picked.append(sample(logits[row], sampling, pick_key))
+        return mx.stack(picked)
+
+    def join(joining):  # 1. prefill new prompts, padded on the left, and add them as rows
+        nonlocal cache, first
+        longest = max(len(prompts[i]) for i in joining)
+        new_pads = [longest - len(prompts[i]) for i in joining]
+        ids = mx.array([[0] * pad + prompts[i] for pad, i in zip(new_pads, joining)])
+        end = cache[0].offset if rows else longest  # the new rows' last token goes in end - 1
+        first = first if rows else 0
+        new_cache, new_keys = make_cache(config), [mx.random.key(sampling.seed) for _ in joining]
+        new_tokens = pick(forward_batch(ids, weights, config, new_cache, new_pads,
+                                        first + end - longest), new_keys)
+        grow = max(0, longest - end)  # columns of padding the batch gains on the left
+        shift_cache(new_cache, mx.arange(len(joining)), grow + end - longest)
+        if rows:
+            shift_cache(cache, mx.arange(len(rows)), grow)
+            for layer_cache, new in zip(cache, new_cache):
+                layer_cache.keys = mx.concatenate([layer_cache.keys, new.keys])
+                layer_cache.values = mx.concatenate([layer_cache.values, new.values])
+        else:
+            cache = new_cache
+        first -= grow
+        pads[:] = [pad + grow for pad in pads] + [pad + grow + end - longest for pad in new_pads]
+        rows.extend(joining)
+        keys.extend(new_keys)
+        counts.extend([0] * len(joining))
+        return new_tokens
+
+    while max_tokens > 0:
+        joining = [waiting.pop() for _ in range(min(batch_size - len(rows), len(waiting)))]
+        if joining:
+            tokens = mx.concatenate([tokens, join(joining)])
+        if not rows:
+            return
+        following = no_tokens  # 2. decode, unless every row ends with this token and none waits
+        if waiting or min(counts) + 1 < max_tokens:
+            logits = forward_batch(tokens[:, None], weights, config, cache, pads, first)
+            following = pick(logits, keys)
+            mx.async_eval(following)
+        ended = set()
+        for row, token_id in enumerate(tokens.tolist()):  # 3. yield: waits for the tokens
+            yield rows[row], token_id
+            counts[row] += 1
+            if token_id in eos_ids or counts[row] == max_tokens:
+                ended.add(row)
+        tokens = following
+        if ended:  # 4. end: drop their rows, and columns that are padding in every row left
+            kept = [row for row in range(len(rows)) if row not in ended]
+            trim = min([pads[row] for row in kept], default=0)
+            shift_cache(cache, mx.array(kept, mx.uint32), -trim)
+            first += trim
+            for values in (rows, pads, keys, counts):
+                values[:] = [values[row] for row in kept]
+            pads[:] = [pad - trim for pad in pads]
+            tokens = following[mx.array(kept, mx.uint32)] if kept else no_tokens
+
+
 # ================================================================================================
 # MAIN: the wiring of `python llm_inference.py` (the program around it is in cli.py)
 # ================================================================================================

@@ -1,0 +1,94 @@
+"""Section 23, many prompts at once: generate_batch() gives each prompt the tokens it gets alone.
+
+Greedy, in float32, with prompts of different lengths, rows that end at different steps and
+prompts that join mid-way (one longer than the batch's cache). Sampled with a seed, each row's
+tokens are the prompt's alone with that seed. The greedy tokens are mlx-lm's batch_generate's.
+The mask: a row's logits do not change when another row's prompt (and so its padding) changes.
+The command line (--prompts, --batch-size) is checked in tests/test_cli.py.
+"""
+
+import json
+import random
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+
+import llm_inference as li
+from tests.checkpoint import QWEN3_0_6B_CONFIG, TINY_CONFIG, random_weights
+
+SMALL = QWEN3_0_6B_CONFIG | TINY_CONFIG | {"vocab_size": 1024}  # a forward pass in about a ms
+LENGTHS = [2, 9, 3, 1, 17, 5, 11, 4]  # the 17-token prompt joins a batch of fewer columns
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """(folder, config, float32 weights) of a tiny random Qwen3 with a 1024-token vocabulary, and
+    prompts of LENGTHS tokens. The folder holds config.json and the weights, all mlx-lm reads."""
+    folder = tmp_path_factory.mktemp("small-qwen3")
+    mx.save_safetensors(str(folder / "model.safetensors"), random_weights(SMALL))
+    (folder / "config.json").write_text(json.dumps(SMALL))
+    config = li.load_config(folder)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(n)] for n in LENGTHS]
+    return folder, config, li.load_weights(folder, config, mx.float32), prompts
+
+
+def alone(prompts, weights, config, max_tokens, sampling=li.Sampling(), eos_ids=()):
+    return [[t for t, _ in li.generate_long(p, weights, config, max_tokens, sampling, eos_ids)]
+            for p in prompts]
+
+
+def batched(prompts, weights, config, max_tokens, sampling=li.Sampling(), eos_ids=(),
+            batch_size=8):
+    tokens = [[] for _ in prompts]
+    for i, token in li.generate_batch(prompts, weights, config, max_tokens, sampling, eos_ids,
+                                      batch_size):
+        tokens[i].append(token)
+    return tokens
+
+
+@pytest.mark.parametrize("batch_size", [3, 8])
+def test_greedy_each_prompt_gets_its_tokens_alone(model, batch_size):
+    _, config, weights, prompts = model
+    li.use_fused_kernels()  # as a plain run, which main() sets up
+    li.compile_model()
+    # End-of-sequence ids that end some rows early, each at its own step.
+    free = alone(prompts, weights, config, 8)
+    eos_ids = {free[0][2], free[3][5], free[6][0]}
+    expected = alone(prompts, weights, config, 8, eos_ids=eos_ids)
+    assert len({len(tokens) for tokens in expected}) > 2  # rows end at different steps
+    assert batched(prompts, weights, config, 8, eos_ids=eos_ids, batch_size=batch_size) == expected
+
+
+def test_sampled_each_prompt_gets_its_tokens_alone_with_the_same_seed(model):
+    _, config, weights, prompts = model
+    sampling = li.Sampling(temperature=1.5, top_k=50, top_p=0.9, seed=7)
+    expected = alone(prompts, weights, config, 6, sampling)
+    assert len({tuple(tokens[:3]) for tokens in expected}) == len(prompts)
+    assert batched(prompts, weights, config, 6, sampling, batch_size=3) == expected
+
+
+def test_greedy_tokens_are_mlx_lms_batch_generate(model):
+    from mlx_lm.generate import batch_generate
+    from mlx_lm.utils import load_model
+
+    folder, config, weights, prompts = model
+    theirs, _ = load_model(folder)
+    theirs.set_dtype(mx.float32)
+    # All that batch_generate reads of a tokenizer: no end-of-sequence ids, and a decode().
+    no_eos = SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
+    answer = batch_generate(theirs, no_eos, prompts, max_tokens=6, return_token_ids=True)
+    assert batched(prompts, weights, config, 6, batch_size=4) == [list(t) for t in answer.token_ids]
+
+
+def test_a_rows_logits_do_not_change_when_another_rows_prompt_does(model):
+    _, config, weights, prompts = model
+    row = prompts[2]  # 3 tokens, padded on the left by the other row's length - 3
+    single = li.forward(mx.array(row), weights, config, li.make_cache(config))
+    for other in prompts[1], prompts[4]:  # 9 and 17 tokens
+        longest = len(other)
+        ids = mx.array([[0] * (longest - len(row)) + row, other])
+        logits = li.forward_batch(ids, weights, config, li.make_cache(config),
+                                  [longest - len(row), 0], 0)
+        assert mx.allclose(logits[0], single, atol=1e-5).item()
