@@ -1313,96 +1313,76 @@ def use_speculative(draft, k, min_p=0.0):
 
 # --- 23. Many prompts at once: batched decoding and continuous batching (--prompts) -------------
 #
-# The problem. A decode step reads every weight once for one token (section 16), so where reading
-# the weights sets the pace (docs/performance.md#what-limits-decoding), 50 prompts one after
-# another read them 50 times per token. B prompts decoded in one pass share one read: each
-# product becomes (B, in) @ (in, out), for little more time than (1, in) @ (in, out).
+# The problem. A decode step reads every weight once for one token (section 16). Where that sets
+# the pace (docs/performance.md#what-limits-decoding), 50 prompts in turn read them 50 times a
+# token. B prompts decoded in one pass share one read: a (B, in) product costs little more.
 #
-# The idea: a static batch. Rows of different lengths are padded on the left to one length, so
-# every row's last prompt token sits in the same column. Then each decode step appends one column
-# to every row, and each row's next token comes from the logits of the last column. Padded on the
-# right, each row would end in its own column and write its next token there: no shared column.
-# By hand: prompts a b, c d e f and g h i (2, 4 and 3 tokens), padded to 4 (_ is padding, its
-# count the row's pad). A query sees the keys from its row's first token up to its own column
-# (x), as below for row 0. A padding query sees itself only, so no row of the softmax is empty.
+# A static batch. Prompts are padded on the left, so that every row's last prompt token sits in
+# one column (padded on the right, each would end in its own). Each decode step then appends a
+# column to all rows, and takes every row's next token from the last column's logits.
+# By hand, prompts a b, c d e f and g h i, padded to 4 columns (_). x: the keys a query sees.
 #   row 0   _ _ a b   pad 2        row 0's mask   key: 0 1 2 3
 #   row 1   c d e f   pad 0                   query 0  x . . .     query 2  . . x .
 #   row 2   _ g h i   pad 1                   query 1  . x . .     query 3  . . x x
-# Positions for RoPE. Column j has the one position first + j for every row (first = 0 at the
-# start), so a is at position 2, not 0 as alone. RoPE's scores depend only on the difference of
-# the query's and the key's positions (section 5), which the shift keeps: the same attention, to
-# rounding (tests/test_batch.py compares logits). One shared position lets one rotation serve all.
+# RoPE. Column j is at position first + j in every row (first = 0 at the start): a is at 2, not 0
+# as alone. RoPE's scores depend only on the gap between query and key positions (section 5),
+# which the shift keeps: the same attention, to rounding (tests/test_batch.py).
 # Continuous batching. Say row 0 ends (an end-of-sequence id, or max_tokens) after 3 new tokens,
-# so the cache holds 7 columns. The next waiting prompt takes its row: j k l m n (5 tokens) is
-# prefilled alone at positions first + 2 ... first + 6, and its keys and values go into columns 2
-# to 6, pad 2. Its first new token joins the next step. A prompt of 9 tokens would not fit: every
-# row gains 2 columns of padding on the left, and first becomes -2, so no key's position changes.
-# When rows end, columns that are padding in every row left are dropped (first grows as much).
-# The loop, in the order it runs:
-#   1. join     waiting prompts take the free rows: prefilled together, padded on the left
-#   2. decode   record the next step on every row's token, not yet computed (as generate() does)
-#   3. yield    wait for the tokens, and yield (prompt index, token) for each row
-#   4. end      drop the rows that ended, from the cache and the step just recorded
-# Sampling per row. Each row keeps its own key, mx.random.key(seed) split once per token as
-# generate() splits it. Other rows never touch it, so a prompt draws with the keys it has alone.
-# Greedy, each row takes the argmax of its own logits, in one operation for the batch.
-# Shapes for B = 4 and Qwen3-0.6B, prompts of 5, 9, 7 and 12 tokens, padded to 12:
-#   prefill   ids (4, 12) -> x (4, 12, 1024) -> q (4, 16, 12, 128), k and v (4, 8, 12, 128)
-#             KV cache (4, 8, 12, 128) a layer, mask (4, 1, 12, 12), SwiGLU on (48, 1024)
-#             the last column (4, 1024) -> logits (4, 151936) -> tokens (4,)
-#   decode    ids (4, 1) -> q (4, 16, 1, 128), KV cache (4, 8, 13, 128), mask (4, 1, 1, 13)
-# Not built: paged attention. Here a row's keys and values are a slice of one (B, 8, total, 128)
-# array. The longest row sets total, the others hold padding, and each join or end copies the
-# array. vLLM keeps each sequence's cache in fixed-size blocks (16 positions) from one shared
-# pool, with a table per sequence of its blocks. Then nothing is padded, nothing is copied when
-# rows come and go, and prompts that share a beginning share its blocks. It needs an attention
-# kernel that reads keys through such a table, which MLX does not have.
+# in a cache of 7 columns. A waiting prompt of 5 tokens, prefilled alone at positions first + 2
+# ... first + 6, goes into columns 2 to 6 of the row (pad 2). Its first new token joins the next
+# step. A prompt of 9 would need columns -2 to 6. So every row first gains 2 columns of padding on
+# the left, and first drops by 2: no key's position changes. When rows end, columns that are
+# padding in every row left go, and first grows as much.
+# The loop runs four steps, numbered in the code: 1. join (waiting prompts take the free rows),
+# 2. decode (record the next step), 3. yield (wait for the tokens), 4. end (drop the rows ended).
+# Sampling per row. Each row keeps its own key, mx.random.key(seed), split once a token as in
+# generate(). So a prompt draws with its keys alone, from its logits alone to rounding.
+# Shapes, for B = 4 prompts of at most 12 tokens, and Qwen3-0.6B:
+#   prefill   ids (4, 12) -> x (4, 12, 1024) -> q (4, 16, 12, 128), mask (4, 1, 12, 12), KV
+#             cache (4, 8, 12, 128) a layer, SwiGLU on (48, 1024), logits (4, 151936), tokens (4,)
+#   decode    ids (4, 1) -> q (4, 16, 1, 128), mask (4, 1, 1, 13), KV cache (4, 8, 13, 128)
+# Not built: paged attention. Here the rows' keys are one (B, 8, total, 128) array. The longest
+# row sets total, the others hold padding, and each join or end copies it. vLLM keeps a sequence's
+# cache in blocks of 16 positions from one pool, listed in a table its attention kernel reads (MLX
+# has none). Nothing is padded or copied as rows come and go. Prompts that begin alike share blocks.
 # Try it: python llm_inference.py --prompts prompts.txt --batch-size 8
-# It replaces nothing: main() calls generate_batch() for --prompts, and generate_long() for
-# --prompt as before. That is safe, as each prompt gets the tokens it gets alone: greedy, to
-# rounding, and sampled, with the same seed (tests/test_batch.py checks both). The attention is
-# mx.fast's, even with --reference-ops. It takes a mask, a boolean array that broadcasts to
-# (B, 16, seq, total) (false: the key is hidden), and lets 8 key/value heads serve 16 query heads.
-
-def batch_attention(x, layer, config, cache, mask, first):
-    """attention() for rows: x (B, seq, 1024), whose column 0 is at RoPE position `first`."""
-    c, (rows, seq, _) = config, x.shape
-    heads = lambda name, n: linear(x, layer[name]).reshape(rows, seq, n, c.head_dim)
-    q = rms_norm(heads("q_proj", c.num_attention_heads), layer["q_norm"], c.rms_norm_eps)
-    k = rms_norm(heads("k_proj", c.num_key_value_heads), layer["k_norm"], c.rms_norm_eps)
-    position = first + cache.offset  # of the first of these seq columns
-    q = apply_rope(q.swapaxes(1, 2), position, c.rope_theta)  # (B, 16, seq, 128)
-    k = apply_rope(k.swapaxes(1, 2), position, c.rope_theta)  # (B, 8, seq, 128)
-    v = heads("v_proj", c.num_key_value_heads).swapaxes(1, 2)
-    k, v = cache.update_and_fetch(k, v)  # (B, 8, total, 128)
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(c.head_dim), mask=mask)
-    return linear(out.swapaxes(1, 2).reshape(rows, seq, -1), layer["o_proj"])  # (B, seq, 1024)
-
+# It replaces nothing: main() calls generate_batch() for --prompts, generate_long() for --prompt.
+# That is safe: each prompt gets its tokens alone (greedy, to rounding; sampled, with the same
+# seed), as tests/test_batch.py checks. Attention is mx.fast's, even with --reference-ops.
 
 def forward_batch(token_ids, weights, config, cache, pads, first):
-    """forward() for rows: token_ids (B, seq) continue `cache`, row b's columns before pads[b] are
-    padding. -> the logits of each row's last column (B, vocab)."""
+    """forward() for rows. token_ids (B, seq) continue `cache`, whose column 0 is at RoPE position
+    `first`, and whose row b is padding before column pads[b]. -> each row's next logits (B, vocab).
+    mx.fast.scaled_dot_product_attention takes a boolean mask that broadcasts to (B, 16, seq,
+    total) and hides a key where false. One call lets 8 key/value heads serve 16 query heads."""
+    c = config
     rows, seq = token_ids.shape
-    total = cache[0].offset + seq
-    keys = mx.arange(total)
-    queries = keys[total - seq :]  # the columns of these seq tokens
-    # A query sees keys from its row's first token (or, if padding, itself) up to its own.
-    start = mx.minimum(mx.array(pads)[:, None], queries[None, :])  # (B, seq)
-    mask = (keys >= start[..., None]) & (keys <= queries[:, None])  # (B, seq, total)
+    columns = mx.arange(cache[0].offset + seq)  # (total,): these seq tokens are the last
+    # A query sees from its row's first token to itself. A padding query sees itself alone: no
+    # softmax over no key at all, whatever a kernel would make of it.
+    start = mx.minimum(mx.array(pads)[:, None], columns[None, -seq:])  # (B, seq)
+    mask = (columns >= start[..., None]) & (columns <= columns[-seq:, None])  # (B, seq, total)
     x = embed(token_ids, weights["embed_tokens"])  # (B, seq, 1024)
-    eps = config.rms_norm_eps
     for layer, layer_cache in zip(weights["layers"], cache):  # transformer_block(), for rows
-        h = rms_norm(x, layer["input_layernorm"], eps)
-        x = x + batch_attention(h, layer, config, layer_cache, mask[:, None], first)
-        h = rms_norm(x, layer["post_attention_layernorm"], eps)
+        h = rms_norm(x, layer["input_layernorm"], c.rms_norm_eps)
+        q = linear(h, layer["q_proj"]).reshape(rows, seq, -1, c.head_dim)  # (B, seq, 16, 128)
+        k = linear(h, layer["k_proj"]).reshape(rows, seq, -1, c.head_dim)  # (B, seq, 8, 128)
+        v = linear(h, layer["v_proj"]).reshape(rows, seq, -1, c.head_dim).swapaxes(1, 2)
+        q = rms_norm(q, layer["q_norm"], c.rms_norm_eps).swapaxes(1, 2)  # (B, 16, seq, 128)
+        k = rms_norm(k, layer["k_norm"], c.rms_norm_eps).swapaxes(1, 2)  # (B, 8, seq, 128)
+        q = apply_rope(q, first + layer_cache.offset, c.rope_theta)  # column 0 at position first
+        k = apply_rope(k, first + layer_cache.offset, c.rope_theta)
+        k, v = layer_cache.update_and_fetch(k, v)  # (B, 8, total, 128)
+        h = mx.fast.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(c.head_dim),
+                                                 mask=mask[:, None])  # (B, 16, seq, 128)
+        x = x + linear(h.swapaxes(1, 2).reshape(rows, seq, -1), layer["o_proj"])  # (B, seq, 1024)
+        h = rms_norm(x, layer["post_attention_layernorm"], c.rms_norm_eps)
         x = x + swiglu(h.reshape(rows * seq, -1), layer).reshape(x.shape)  # (B x seq, 1024) in
-    x = rms_norm(x[:, -1], weights["norm"], eps)  # (B, 1024)
-    return linear(x, weights["lm_head"])  # (B, vocab)
+    return linear(rms_norm(x[:, -1], weights["norm"], c.rms_norm_eps), weights["lm_head"])
 
 
 def shift_cache(cache, rows, by):
-    """Keep the cache's `rows` (an array of row indices), moved `by` columns to the right (zeros
-    come in on the left), or if by < 0, to the left (the first -by columns go)."""
+    """Keep the cache's `rows` (indices), moved `by` columns right (zeros fill), or left if < 0."""
     for layer_cache in cache:
         for name in ("keys", "values"):
             kept = getattr(layer_cache, name)[rows, :, max(0, -by) : layer_cache.offset]
@@ -1413,26 +1393,22 @@ def shift_cache(cache, rows, by):
 
 def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
                    batch_size=8):
-    """Yield (i, token_id) for prompts (a list of lists of ids), i the prompt's index, as each
-    step computes them. At most batch_size rows are decoded together. A prompt ends after a token
-    in eos_ids (yielded too) or after max_tokens tokens, as in generate(); its row then takes the
-    next waiting prompt (continuous batching). Each row draws with its own key chain started from
-    mx.random.key(sampling.seed), exactly as generate() does alone, so each prompt's tokens are
-    the ones generate_long() gives it alone (greedy: to rounding; sampled: the same seed)."""
+    """Yield (i, token_id) for prompts (lists of ids), i a prompt's index, as each step computes
+    them. At most batch_size rows decode together. A prompt ends after a token in eos_ids (yielded
+    too) or max_tokens tokens, as in generate(), and its row takes the next waiting prompt. Each row
+    splits its own key from mx.random.key(sampling.seed) as generate() does, so a prompt gets the
+    tokens generate_long() gives it alone (greedy: to rounding; sampled: the same seed)."""
     waiting = list(range(len(prompts)))[::-1]  # pop() takes prompt 0 first
     rows, pads, keys, counts = [], [], [], []  # per row: prompt index, padding, key, tokens out
     cache, first = make_cache(config), 0  # first: the RoPE position of column 0
-    no_tokens = mx.zeros((0,), mx.uint32)
-    tokens = no_tokens  # each row's next token, not yet in the cache
+    tokens = no_tokens = mx.zeros((0,), mx.uint32)  # each row's next token, not yet cached
 
     def pick(logits, row_keys):  # (B, vocab) -> (B,), splitting each row's key as generate() does
         if sampling.temperature == 0:
             return sample(logits, sampling, None)  # the argmax of each row, in one operation
-        picked = []
-        for row, key in enumerate(row_keys):
-            row_keys[row], pick_key = mx.random.split(key)
-            picked.append(sample(logits[row], sampling, pick_key))
-        return mx.stack(picked)
+        split = [mx.random.split(key) for key in row_keys]  # per row: its next key, this pick's
+        row_keys[:] = [key for key, _ in split]
+        return mx.stack([sample(row, sampling, pick) for row, (_, pick) in zip(logits, split)])
 
     def join(joining):  # 1. prefill new prompts, padded on the left, and add them as rows
         nonlocal cache, first
@@ -1440,7 +1416,6 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
         new_pads = [longest - len(prompts[i]) for i in joining]
         ids = mx.array([[0] * pad + prompts[i] for pad, i in zip(new_pads, joining)])
         end = cache[0].offset if rows else longest  # the new rows' last token goes in end - 1
-        first = first if rows else 0
         new_cache, new_keys = make_cache(config), [mx.random.key(sampling.seed) for _ in joining]
         new_tokens = pick(forward_batch(ids, weights, config, new_cache, new_pads,
                                         first + end - longest), new_keys)
@@ -1455,21 +1430,18 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
             cache = new_cache
         first -= grow
         pads[:] = [pad + grow for pad in pads] + [pad + grow + end - longest for pad in new_pads]
-        rows.extend(joining)
-        keys.extend(new_keys)
-        counts.extend([0] * len(joining))
+        for per_row, added in (rows, joining), (keys, new_keys), (counts, [0] * len(joining)):
+            per_row.extend(added)
         return new_tokens
 
-    while max_tokens > 0:
+    while max_tokens > 0 and (rows or waiting):
         joining = [waiting.pop() for _ in range(min(batch_size - len(rows), len(waiting)))]
         if joining:
             tokens = mx.concatenate([tokens, join(joining)])
-        if not rows:
-            return
-        following = no_tokens  # 2. decode, unless every row ends with this token and none waits
-        if waiting or min(counts) + 1 < max_tokens:
+        following = no_tokens  # 2. decode, on tokens not yet computed, unless all rows end now
+        if min(counts) + 1 < max_tokens:
             logits = forward_batch(tokens[:, None], weights, config, cache, pads, first)
-            following = pick(logits, keys)
+            following = pick(logits, keys)  # (B,)
             mx.async_eval(following)
         ended = set()
         for row, token_id in enumerate(tokens.tolist()):  # 3. yield: waits for the tokens
@@ -1483,8 +1455,8 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
             trim = min([pads[row] for row in kept], default=0)
             shift_cache(cache, mx.array(kept, mx.uint32), -trim)
             first += trim
-            for values in (rows, pads, keys, counts):
-                values[:] = [values[row] for row in kept]
+            for per_row in (rows, pads, keys, counts):
+                per_row[:] = [per_row[row] for row in kept]
             pads[:] = [pad - trim for pad in pads]
             tokens = following[mx.array(kept, mx.uint32)] if kept else no_tokens
 
