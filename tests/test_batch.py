@@ -7,6 +7,7 @@ The mask: a row's logits do not change when another row's prompt (and so its pad
 The command line (--prompts, --batch-size) is checked in tests/test_cli.py.
 """
 
+import itertools
 import json
 import random
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ import mlx.core as mx
 import pytest
 
 import llm_inference as li
-from tests.checkpoint import QWEN3_0_6B_CONFIG, TINY_CONFIG, random_weights
+from tests.checkpoint import QWEN3_0_6B_CONFIG, TINY_CONFIG, TINY_MOE_CONFIG, random_weights
 
 SMALL = QWEN3_0_6B_CONFIG | TINY_CONFIG | {"vocab_size": 1024}  # a forward pass in about a ms
 LENGTHS = [2, 9, 3, 1, 17, 5, 11, 4]  # the 17-token prompt joins a batch of fewer columns
@@ -64,9 +65,11 @@ def test_greedy_each_prompt_gets_its_tokens_alone(model, batch_size):
 def test_sampled_each_prompt_gets_its_tokens_alone_with_the_same_seed(model):
     _, config, weights, prompts = model
     sampling = li.Sampling(temperature=1.5, top_k=50, top_p=0.9, seed=7)
-    expected = alone(prompts, weights, config, 6, sampling)
-    assert len({tuple(tokens[:3]) for tokens in expected}) == len(prompts)
-    assert batched(prompts, weights, config, 6, sampling, batch_size=3) == expected
+    eos_ids = set(range(0, config.vocab_size, 8))  # rows end at different steps, and then
+    expected = alone(prompts, weights, config, 8, sampling, eos_ids)  # rows' keys differ
+    assert len({len(tokens) for tokens in expected}) > 2
+    assert len({tuple(tokens[:2]) for tokens in expected}) == len(prompts)
+    assert batched(prompts, weights, config, 8, sampling, eos_ids, batch_size=3) == expected
 
 
 def test_greedy_tokens_are_mlx_lms_batch_generate(model):
@@ -92,3 +95,33 @@ def test_a_rows_logits_do_not_change_when_another_rows_prompt_does(model):
         logits = li.forward_batch(ids, weights, config, li.make_cache(config),
                                   [longest - len(row), 0], 0)
         assert mx.allclose(logits[0], single, atol=1e-5).item()
+
+
+def test_no_column_is_padding_in_every_row(model, monkeypatch):
+    """Rows that end take their columns with them: the cache does not grow without end."""
+    _, config, weights, prompts = model
+    forward_batch, calls = li.forward_batch, []
+
+    def recorded(token_ids, weights, config, cache, pads, first):
+        calls.append(list(pads))  # pads is a list that generate_batch changes later
+        return forward_batch(token_ids, weights, config, cache, pads, first)
+
+    monkeypatch.setattr(li, "forward_batch", recorded)
+    assert list(itertools.islice(li.generate_batch(prompts, weights, config, 0), 1)) == []
+    eos_ids = set(range(0, config.vocab_size, 8))  # an eighth of the vocabulary: rows end early
+    expected = alone(prompts, weights, config, 12, eos_ids=eos_ids)
+    assert batched(prompts, weights, config, 12, eos_ids=eos_ids, batch_size=3) == expected
+    assert len(calls) > len(prompts) and all(min(pads) == 0 for pads in calls)
+
+
+def test_quantized_mixture_of_experts_rows_get_their_tokens_alone(tmp_path):
+    moe = QWEN3_0_6B_CONFIG | TINY_MOE_CONFIG | {"vocab_size": 1024}
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), random_weights(moe, seed=3))
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    config = li.with_experts(li.load_config(tmp_path), tmp_path)
+    li.use_quantization(4)  # in main()'s order
+    li.use_experts(config, 4)
+    weights = li.load_weights(tmp_path, config, mx.float32)
+    prompts = [[5, 17, 300], [9] * 7, [1000, 2]]
+    expected = alone(prompts, weights, config, 6)
+    assert batched(prompts, weights, config, 6, batch_size=2) == expected
