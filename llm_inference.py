@@ -1329,14 +1329,14 @@ def use_speculative(draft, k, min_p=0.0):
 # which the shift keeps: the same attention, to rounding (tests/test_batch.py).
 # Continuous batching. Say row 0 ends (an end-of-sequence id, or max_tokens) after 3 new tokens,
 # in a cache of 7 columns. A waiting prompt of 5 tokens, prefilled alone at positions first + 2
-# ... first + 6, goes into columns 2 to 6 of the row (pad 2). Its first new token joins the next
+# ... first + 6, takes its place in columns 2 to 6 (pad 2). Its first new token joins the next
 # step. A prompt of 9 would need columns -2 to 6. So every row first gains 2 columns of padding on
 # the left, and first drops by 2: no key's position changes. When rows end, columns that are
 # padding in every row left go, and first grows as much.
 # The loop runs four steps, numbered in the code: 1. join (waiting prompts take the free rows),
 # 2. decode (record the next step), 3. yield (wait for the tokens), 4. end (drop the rows ended).
 # Sampling per row. Each row keeps its own key, mx.random.key(seed), split once a token as in
-# generate(). So a prompt draws with its keys alone, from its logits alone to rounding.
+# generate(). So a prompt draws with the keys it has alone, from the same logits to rounding.
 # Shapes, for B = 4 prompts of at most 12 tokens, and Qwen3-0.6B:
 #   prefill   ids (4, 12) -> x (4, 12, 1024) -> q (4, 16, 12, 128), mask (4, 1, 12, 12), KV
 #             cache (4, 8, 12, 128) a layer, SwiGLU on (48, 1024), logits (4, 151936), tokens (4,)
@@ -1438,7 +1438,7 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
         joining = [waiting.pop() for _ in range(min(batch_size - len(rows), len(waiting)))]
         if joining:
             tokens = mx.concatenate([tokens, join(joining)])
-        following = no_tokens  # 2. decode, on tokens not yet computed, unless all rows end now
+        following = no_tokens  # 2. decode, on tokens not yet computed, unless max_tokens ends all
         if min(counts) + 1 < max_tokens:
             logits = forward_batch(tokens[:, None], weights, config, cache, pads, first)
             following = pick(logits, keys)  # (B,)
