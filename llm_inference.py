@@ -1324,9 +1324,8 @@ def use_speculative(draft, k, min_p=0.0):
 #   row 0   _ _ a b   pad 2        row 0's mask   key: 0 1 2 3
 #   row 1   c d e f   pad 0                   query 0  x . . .     query 2  . . x .
 #   row 2   _ g h i   pad 1                   query 1  . x . .     query 3  . . x x
-# RoPE. Column j is at position first + j in every row (first = 0 at the start): a is at 2, not 0
-# as alone. RoPE's scores depend only on the gap between query and key positions (section 5),
-# which the shift keeps: the same attention, to rounding (tests/test_batch.py).
+# RoPE. Column j is at position first + j in all rows (first = 0 at the start): a is at 2, not 0.
+# Its scores see only the gap between query and key positions (section 5): the same, to rounding.
 # Continuous batching. Say row 0 ends (an end-of-sequence id, or max_tokens) after 3 new tokens,
 # in a cache of 7 columns. A waiting prompt of 5 tokens, prefilled alone at positions first + 2
 # ... first + 6, takes its place in columns 2 to 6 (pad 2). Its first new token joins the next
@@ -1336,7 +1335,8 @@ def use_speculative(draft, k, min_p=0.0):
 # The loop runs four steps, numbered in the code: 1. join (waiting prompts take the free rows),
 # 2. decode (record the next step), 3. yield (wait for the tokens), 4. end (drop the rows ended).
 # Sampling per row. Each row keeps its own key, mx.random.key(seed), split once a token as in
-# generate(). So a prompt draws with the keys it has alone, from the same logits to rounding.
+# generate(). So a prompt draws with the keys it has alone, from the same logits to rounding:
+# its text is its text alone, greedy or sampled with the same seed (tests/test_batch.py).
 # Shapes, for B = 4 prompts of at most 12 tokens, and Qwen3-0.6B:
 #   prefill   ids (4, 12) -> x (4, 12, 1024) -> q (4, 16, 12, 128), mask (4, 1, 12, 12), KV
 #             cache (4, 8, 12, 128) a layer, SwiGLU on (48, 1024), logits (4, 151936), tokens (4,)
@@ -1346,9 +1346,8 @@ def use_speculative(draft, k, min_p=0.0):
 # cache in blocks of 16 positions from one pool, listed in a table its attention kernel reads (MLX
 # has none). Nothing is padded or copied as rows come and go. Prompts that begin alike share blocks.
 # Try it: python llm_inference.py --prompts prompts.txt --batch-size 8
-# It replaces nothing: main() calls generate_batch() for --prompts, generate_long() for --prompt.
-# That is safe: each prompt gets its tokens alone (greedy, to rounding; sampled, with the same
-# seed), as tests/test_batch.py checks. Attention is mx.fast's, even with --reference-ops.
+# It replaces nothing: main() calls it for --prompts, generate_long() for --prompt. That is safe,
+# as each prompt gets its tokens alone (above). Attention is mx.fast's, even with --reference-ops.
 
 def forward_batch(token_ids, weights, config, cache, pads, first):
     """forward() for rows. token_ids (B, seq) continue `cache`, whose column 0 is at RoPE position
@@ -1416,7 +1415,8 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
         new_pads = [longest - len(prompts[i]) for i in joining]
         ids = mx.array([[0] * pad + prompts[i] for pad, i in zip(new_pads, joining)])
         end = cache[0].offset if rows else longest  # the new rows' last token goes in end - 1
-        new_cache, new_keys = make_cache(config), [mx.random.key(sampling.seed) for _ in joining]
+        new_cache = make_cache(config)
+        new_keys = [mx.random.key(sampling.seed)] * len(joining)  # as generate() starts its key
         new_tokens = pick(forward_batch(ids, weights, config, new_cache, new_pads,
                                         first + end - longest), new_keys)
         grow = max(0, longest - end)  # columns of padding the batch gains on the left
