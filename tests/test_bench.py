@@ -444,7 +444,7 @@ def test_cache_lengths_take_decode_tokens(checkpoints, load_once, monkeypatch, c
     assert bench_main(monkeypatch, "--model", folder, "--cache-lengths", 40, "--decode-tokens",
                       30) == ("bench.py: error: a prompt and its new tokens would reach 70 tokens, "
                               "beyond the model's 64-token context: lower --prompt-lengths, "
-                              "--cache-lengths or --decode-tokens")
+                              "--cache-lengths, --decode-tokens or --batch-mix")
     runs.clear()
     assert bench_main(monkeypatch, "--model", folder, "--cache-lengths", 8, "--reps", 1) is None
     assert "over 16 new tokens" in capsys.readouterr().out and runs == [4, 16, 4, 16]
