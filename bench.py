@@ -422,9 +422,9 @@ def main():
         args.tiny = True
         vars(args).update(cpu_run)
         if mx.distributed.init().rank() == 0:  # under mlx.launch, process 0 alone prints
-            print(f"on the CPU with no size flag: --tiny {flags(cpu_run)} (about a minute); the full "
-                  f"run, the 0.6B shape with {flags(full_run)}, takes half an hour to hours on a "
-                  f"CPU: any size flag asks for it, e.g. python bench.py {mode}--reps "
+            print(f"on the CPU with no size flag: --tiny {flags(cpu_run)} (about a minute); the "
+                  f"full run, the 0.6B shape with {flags(full_run)}, takes half an hour to hours "
+                  f"on a CPU: any size flag asks for it, e.g. python bench.py {mode}--reps "
                   f"{full_run['reps']}", flush=True)
     for size, default in full_run.items():
         if not getattr(args, size):  # not given (--batch-mix with no numbers: [])
