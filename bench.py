@@ -7,6 +7,8 @@
     LLM_INFERENCE_BLAS=0 python bench.py ...   # Linux CPU: MLX's bundled BLAS instead of OpenBLAS
     python bench.py --quantize 4         # both runtimes on the same 4-bit weights (as mlx_lm.convert makes)
     python bench.py --model Qwen/Qwen3-1.7B --quantize 8   # a folder or a repo id (downloaded once)
+    python bench.py --batch-sizes 1 4 16 # many prompts at once, against mlx-lm's batch_generate
+    python bench.py --batch-mix          # the same with nano-vllm's mix of prompt and reply lengths
 
 For each prompt length: a warm-up, then --reps repetitions alternating which runtime goes first (each
 announced on stderr as it starts; Ctrl-C stops the run, exit code 130). Prints
@@ -391,6 +393,8 @@ def main():
     if args.batch_mix and (len(args.batch_mix) != 3 or args.batch_mix[1] > args.batch_mix[2]):
         ap.error(f"argument --batch-mix: expected N LOW HIGH with LOW <= HIGH, got "
                  f"{' '.join(map(str, args.batch_mix))}")
+    if args.distributed and (args.batch_mix is not None or args.batch_sizes is not None):
+        ap.error("argument --distributed: not allowed with --batch-sizes or --batch-mix")
     if args.num_draft_tokens and not args.draft_model:  # as the CLI warns (cli.parse_args)
         cli.warn_ignored(["--num-draft-tokens"], "with --draft-model", "a run without one",
                          "--draft-model")
