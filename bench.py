@@ -381,14 +381,16 @@ def main():
     ap.add_argument("--batch-sizes", type=count, nargs="*", metavar="B",
                     help="instead: many prompts at once, ours (section 23) against mlx-lm's "
                          "batch_generate, at these batch sizes (default: "
-                         f"{' '.join(map(str, BATCH_SIZES))}): B prompts of the first "
+                         f"{' '.join(map(str, BATCH_RUN['batch_sizes']))}): B prompts of the first "
                          f"--prompt-lengths (default: {BATCH_RUN['prompt_lengths'][0]}), "
-                         f"--decode-tokens new tokens each (default: {BATCH_RUN['decode_tokens']})")
+                         "--decode-tokens new tokens each (default: "
+                         f"{BATCH_RUN['decode_tokens']}); on the CPU with no size flag (these "
+                         "numbers are one), smaller sizes, as the first line says")
     ap.add_argument("--batch-mix", type=count, nargs="*", metavar="N",
                     help="instead of equal prompts, N prompts whose lengths and new tokens are "
                          "uniform in LOW-HIGH, given as N LOW HIGH (default: "
                          f"{' '.join(map(str, MIX_RUN['batch_mix']))}, nano-vllm's mix), at "
-                         f"--batch-sizes (default: {' '.join(map(str, MIX_SIZES))})")
+                         f"--batch-sizes (default: {' '.join(map(str, MIX_RUN['batch_sizes']))})")
     args = ap.parse_args()
     if args.batch_mix and (len(args.batch_mix) != 3 or args.batch_mix[1] > args.batch_mix[2]):
         ap.error(f"argument --batch-mix: expected N LOW HIGH with LOW <= HIGH, got "
@@ -431,10 +433,8 @@ def main():
                   f"on a CPU: any size flag asks for it, e.g. python bench.py {mode}--reps "
                   f"{full_run['reps']}", flush=True)
     for size, default in full_run.items():
-        if not getattr(args, size):  # not given (--batch-mix with no numbers: [])
+        if not getattr(args, size):  # not given (--batch-sizes or --batch-mix alone: [])
             setattr(args, size, default)
-    if mixed or batched:
-        args.batch_sizes = args.batch_sizes or (MIX_SIZES if mixed else BATCH_SIZES)
     if args.distributed:  # several processes: the last section of this file
         return distributed_benchmark(args, dtype)
     if args.matmul:
@@ -712,14 +712,13 @@ def compare(runners, prompt, n, reps):
 # its new tokens, as mlx_lm.benchmark and nano-vllm's bench.py ask). Each batch size is timed for
 # both, alternating which goes first, after a warm-up of each.
 
-BATCH_RUN = {"prompt_lengths": [256], "decode_tokens": 128, "reps": 3}
-BATCH_SIZES = [1, 4, 16, 64]
+BATCH_RUN = {"batch_sizes": [1, 4, 16, 64], "prompt_lengths": [256], "decode_tokens": 128,
+             "reps": 3}
 # nano-vllm's bench.py: 64 prompts, their lengths and their new tokens uniform in 100-1,024.
-MIX_RUN = {"batch_mix": [64, 100, 1024], "reps": 3}
-MIX_SIZES = [16, 64]
-# On the CPU with no size flag: the tiny model and these, about a minute.
-BATCH_CPU_RUN = {"prompt_lengths": [32], "decode_tokens": 8, "reps": 3}
-MIX_CPU_RUN = {"batch_mix": [16, 8, 32], "reps": 3}
+MIX_RUN = {"batch_mix": [64, 100, 1024], "batch_sizes": [16, 64], "reps": 3}
+# On the CPU with no size flag: the tiny model and these, about a minute each.
+BATCH_CPU_RUN = BATCH_RUN | {"prompt_lengths": [32], "decode_tokens": 8}
+MIX_CPU_RUN = {"batch_mix": [16, 8, 32], "batch_sizes": [4, 16], "reps": 3}
 
 
 def ours_batched(weights, config, batch_size):

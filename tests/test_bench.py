@@ -524,3 +524,22 @@ def test_batch_sizes_and_mix_run_both_runtimes_on_the_same_prompts(tiny_folder, 
         for size in sizes:
             assert f"greedy tokens identical: {prompts or size}/{prompts or size} prompts" in out
     assert "nano-vllm's mix: 3 prompts, 4-4 tokens each and 4-4 new ones" in out
+    # On the CPU with no size flag: the tiny model and smaller sizes, said first (nothing timed).
+    import tests.checkpoint
+
+    monkeypatch.setattr(tests.checkpoint, "write_checkpoint",
+                        lambda folder, config=None, *args, **kwargs: copy(tiny_folder, folder))
+    monkeypatch.setattr(li, "generate_batch", lambda *args, **kwargs: iter([(0, 0)]))  # the probe
+    monkeypatch.setattr(bench, "timed_batch", lambda run, prompts, max_tokens: calls.append(
+        (len(prompts), max(map(len, prompts)), max(max_tokens))) or dict(
+        speed=1.0, ttft=0.1, worst=0.2, peak=0.1, tokens=[[0] * n for n in max_tokens]))
+    for mode, sizes, runs in (
+            ("--batch-sizes", "--batch-sizes 1 4 16 64 --prompt-lengths 32 --decode-tokens 8",
+             [(b, 32, n) for b in (1, 4, 16, 64) for n in [4] * 2 + [8] * 6]),
+            ("--batch-mix", "--batch-mix 16 8 32 --batch-sizes 4 16",  # its longest: 32 in, 31 out
+             [(16, 32, n) for b in (4, 16) for n in [4] * 2 + [31] * 6])):
+        calls.clear()
+        assert bench_main(monkeypatch, "--device", "cpu", mode) is None
+        out = capsys.readouterr().out
+        assert out.startswith(f"on the CPU with no size flag: --tiny {sizes} --reps 3 "), out
+        assert ", 2 layers, " in out and calls == runs, calls
