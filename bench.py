@@ -734,8 +734,8 @@ def mlx_lm_batched(model, batch_size):
     """run(prompts, new tokens of each): (prompt's index, token id) from batch_generate's own loop
     (a BatchGenerator: insert the prompts, then next_generated() until it returns nothing), token
     by token. Its default sampler is greedy. No stop token, as mlx_lm.benchmark empties them. At
-    most batch_size rows decode together: completion_batch_size, and prefill_batch_size (its
-    default, 8, or fewer) since it decodes at least that many."""
+    most batch_size rows decode together: completion_batch_size, and prefill_batch_size at most
+    that (its default is 8, and it decodes at least prefill_batch_size rows)."""
     from mlx_lm.generate import BatchGenerator
 
     def run(prompts, max_tokens):
