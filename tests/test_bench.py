@@ -537,7 +537,7 @@ def test_batch_sizes_and_mix_run_both_runtimes_on_the_same_prompts(tiny_folder, 
             ("--batch-sizes", "--batch-sizes 1 4 16 64 --prompt-lengths 32 --decode-tokens 8",
              [(b, 32, n) for b in (1, 4, 16, 64) for n in [4] * 2 + [8] * 6]),
             ("--batch-mix", "--batch-mix 16 8 32 --batch-sizes 4 16",  # its longest: 32 in, 31 out
-             [(16, 32, n) for b in (4, 16) for n in [4] * 2 + [31] * 6])):
+             [(16, 32, n) for _ in (4, 16) for n in [4] * 2 + [31] * 6])):
         calls.clear()
         assert bench_main(monkeypatch, "--device", "cpu", mode) is None
         out = capsys.readouterr().out
