@@ -7,6 +7,8 @@
     LLM_INFERENCE_BLAS=0 python bench.py ...   # Linux CPU: MLX's bundled BLAS instead of OpenBLAS
     python bench.py --quantize 4         # both runtimes on the same 4-bit weights (as mlx_lm.convert makes)
     python bench.py --model Qwen/Qwen3-1.7B --quantize 8   # a folder or a repo id (downloaded once)
+    python bench.py --batch-sizes 1 4 16 # many prompts at once, against mlx-lm's batch_generate
+    python bench.py --batch-mix          # the same with nano-vllm's mix of prompt and reply lengths
 
 For each prompt length: a warm-up, then --reps repetitions alternating which runtime goes first (each
 announced on stderr as it starts; Ctrl-C stops the run, exit code 130). Prints
@@ -18,6 +20,7 @@ import argparse
 import collections
 import importlib.util
 import math
+import random
 import re
 import statistics
 import sys
@@ -294,7 +297,7 @@ def check_request(model_dir, bits, longest):
     if longest > config.max_position_embeddings:
         raise cli.UserError(f"a prompt and its new tokens would reach {longest} tokens, beyond the "
                            f"model's {config.max_position_embeddings}-token context: lower "
-                           "--prompt-lengths, --cache-lengths or --decode-tokens")
+                           "--prompt-lengths, --cache-lengths, --decode-tokens or --batch-mix")
 
 
 def load_pair(model_dir, dtype, bits=None):
@@ -375,7 +378,25 @@ def main():
                          "the first --prompt-lengths")
     ap.add_argument("--num-draft-tokens", type=count, nargs="+", metavar="K",
                     help="with --draft-model: the k to measure (default: 2 4)")
+    ap.add_argument("--batch-sizes", type=count, nargs="*", metavar="B",
+                    help="instead: many prompts at once, ours (section 23) against mlx-lm's "
+                         "batch_generate, at these batch sizes (default: "
+                         f"{' '.join(map(str, BATCH_RUN['batch_sizes']))}): B prompts of the first "
+                         f"--prompt-lengths (default: {BATCH_RUN['prompt_lengths'][0]}), "
+                         "--decode-tokens new tokens each (default: "
+                         f"{BATCH_RUN['decode_tokens']}); on the CPU with no size flag (these "
+                         "numbers are one), smaller sizes, as the first line says")
+    ap.add_argument("--batch-mix", type=count, nargs="*", metavar="N",
+                    help="instead of equal prompts, N prompts whose lengths and new tokens are "
+                         "uniform in LOW-HIGH, given as N LOW HIGH (default: "
+                         f"{' '.join(map(str, MIX_RUN['batch_mix']))}, nano-vllm's mix), at "
+                         f"--batch-sizes (default: {' '.join(map(str, MIX_RUN['batch_sizes']))})")
     args = ap.parse_args()
+    if args.batch_mix and (len(args.batch_mix) != 3 or args.batch_mix[1] > args.batch_mix[2]):
+        ap.error(f"argument --batch-mix: expected N LOW HIGH with LOW <= HIGH, got "
+                 f"{' '.join(map(str, args.batch_mix))}")
+    if args.distributed and (args.batch_mix is not None or args.batch_sizes is not None):
+        ap.error("argument --distributed: not allowed with --batch-sizes or --batch-mix")
     if args.num_draft_tokens and not args.draft_model:  # as the CLI warns (cli.parse_args)
         cli.warn_ignored(["--num-draft-tokens"], "with --draft-model", "a run without one",
                          "--draft-model")
@@ -398,17 +419,21 @@ def main():
     # --distributed times the model as the first table does: on the CPU, the tiny one too.
     instead = (args.matmul or args.cache_lengths or args.primitives or args.chat_turns
                or args.draft_model)
+    mixed, batched = args.batch_mix is not None, args.batch_sizes is not None
+    mode = "--batch-mix " if mixed else "--batch-sizes " if batched else ""  # the sizes it takes
+    cpu_run, full_run = ((MIX_CPU_RUN, MIX_RUN) if mixed else (BATCH_CPU_RUN, BATCH_RUN)
+                         if batched else (CPU_RUN, FULL_RUN))
     if not instead and mx.default_device() == mx.cpu and not any(
-            getattr(args, size) for size in ("tiny", "model", *FULL_RUN)):
+            getattr(args, size) for size in ("tiny", "model", *full_run)):
         args.tiny = True
-        vars(args).update(CPU_RUN)
+        vars(args).update(cpu_run)
         if mx.distributed.init().rank() == 0:  # under mlx.launch, process 0 alone prints
-            print(f"on the CPU with no size flag: --tiny {flags(CPU_RUN)} (about a minute); the full "
-                  f"run, the 0.6B shape with {flags(FULL_RUN)}, takes half an hour to hours on a "
-                  f"CPU: any size flag asks for it, e.g. python bench.py --reps {FULL_RUN['reps']}",
-                  flush=True)
-    for size, default in FULL_RUN.items():
-        if getattr(args, size) is None:
+            print(f"on the CPU with no size flag: --tiny {flags(cpu_run)} (about a minute); the "
+                  f"full run, the 0.6B shape with {flags(full_run)}, takes half an hour to hours "
+                  f"on a CPU: any size flag asks for it, e.g. python bench.py {mode}--reps "
+                  f"{full_run['reps']}", flush=True)
+    for size, default in full_run.items():
+        if not getattr(args, size):  # not given (--batch-sizes or --batch-mix alone: [])
             setattr(args, size, default)
     if args.distributed:  # several processes: the last section of this file
         return distributed_benchmark(args, dtype)
@@ -432,6 +457,7 @@ def main():
         # The longest sequence the chosen measurement makes (a chat checks each turn itself).
         longest = (max(args.cache_lengths) + cache_tokens if args.cache_lengths
                    else 0 if args.primitives or args.chat_turns
+                   else 2 * args.batch_mix[2] if mixed
                    else max(args.prompt_lengths) + args.decode_tokens)
         try:
             check_request(model_dir, args.quantize, longest)
@@ -466,6 +492,9 @@ def main():
         return
     if args.draft_model:
         speculative_benchmark(weights, config, model, drafts, args)
+        return
+    if mixed or batched:
+        batch_benchmark(weights, config, model, args)
         return
     runners = {"ours": ours(weights, config), "mlx-lm": mlx_lm_runner(model)}
     progress("memory bandwidth")
@@ -668,6 +697,140 @@ def compare(runners, prompt, n, reps):
         per_pass = f"{statistics.median(p for _, p in stats[name]):.2f}" if stats[name] else "-"
         summary[name] = (statistics.median(speeds[name]), acc, per_pass, tokens[name])
     return summary
+
+
+# ------------------------------------------------------------------------------------------------
+# Many prompts at once (--batch-sizes, --batch-mix): llm_inference's section 23 against mlx-lm's
+# batch_generate
+# ------------------------------------------------------------------------------------------------
+#
+#     python bench.py --batch-sizes 1 4 16 64      # B prompts of 256 tokens, 128 new each, at B
+#     python bench.py --batch-mix --batch-sizes 16 64   # nano-vllm's mix: 64 prompts
+#     python bench.py --batch-mix 32 50 200        # 32 prompts, in and out uniform in 50-200
+#
+# Both runtimes decode at most B rows together, greedy, with no stop token (every prompt gets all
+# its new tokens, as mlx_lm.benchmark and nano-vllm's bench.py ask). Each batch size is timed for
+# both, alternating which goes first, after a warm-up of each.
+
+BATCH_RUN = {"batch_sizes": [1, 4, 16, 64], "prompt_lengths": [256], "decode_tokens": 128,
+             "reps": 3}
+# nano-vllm's bench.py: 64 prompts, their lengths and their new tokens uniform in 100-1,024.
+MIX_RUN = {"batch_mix": [64, 100, 1024], "batch_sizes": [16, 64], "reps": 3}
+# On the CPU with no size flag: the tiny model and these, about a minute each.
+BATCH_CPU_RUN = BATCH_RUN | {"prompt_lengths": [32], "decode_tokens": 8}
+MIX_CPU_RUN = {"batch_mix": [16, 8, 32], "batch_sizes": [4, 16], "reps": 3}
+
+
+def ours_batched(weights, config, batch_size):
+    """run(prompts, new tokens of each): (prompt's index, token id) as section 23 yields them."""
+    def run(prompts, max_tokens):
+        same = len(set(max_tokens)) == 1  # one count for all, as generate_batch takes it
+        return li.generate_batch(prompts, weights, config, max_tokens[0] if same else max_tokens,
+                                 batch_size=batch_size)
+    return run
+
+
+def mlx_lm_batched(model, batch_size):
+    """run(prompts, new tokens of each): (prompt's index, token id) from batch_generate's own loop
+    (a BatchGenerator: insert the prompts, then next_generated() until it returns nothing), token
+    by token. Its default sampler is greedy. No stop token, as mlx_lm.benchmark empties them. At
+    most batch_size rows decode together: completion_batch_size, and prefill_batch_size at most
+    that (its default is 8, and it decodes at least prefill_batch_size rows)."""
+    from mlx_lm.generate import BatchGenerator
+
+    def run(prompts, max_tokens):
+        generator = BatchGenerator(model, completion_batch_size=batch_size,
+                                   prefill_batch_size=min(8, batch_size))
+        try:
+            index = {uid: i for i, uid in enumerate(generator.insert(prompts, max_tokens))}
+            while responses := generator.next_generated():
+                for response in responses:
+                    yield index[response.uid], response.token
+        finally:
+            generator.close()
+    return run
+
+
+def timed_batch(run, prompts, max_tokens):
+    """Generated tokens per second over the whole run, each prompt's time to first token (from
+    the run's start: a prompt that waits for a free row waits in it), peak memory, the tokens."""
+    mx.synchronize()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    tokens = [[] for _ in prompts]
+    ttft = [math.inf] * len(prompts)  # a prompt given no token counts as never answered
+    start = time.perf_counter()
+    for i, token in run(prompts, max_tokens):
+        tokens[i].append(int(token))  # int(): a token given as an array is computed first
+        if len(tokens[i]) == 1:
+            ttft[i] = time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return dict(speed=sum(map(len, tokens)) / seconds, ttft=statistics.median(ttft),
+                worst=max(ttft), peak=mx.get_peak_memory() / 1e9, tokens=tokens)
+
+
+def batch_workload(config, args, batch_size):
+    """(prompts, new tokens of each): B equal prompts, or --batch-mix's (the same at every B)."""
+    if not args.batch_mix:
+        prompts = mx.random.randint(0, config.vocab_size, (batch_size, args.prompt_lengths[0]),
+                                    key=mx.random.key(batch_size)).tolist()
+        return prompts, [args.decode_tokens] * batch_size
+    count, low, high = args.batch_mix
+    draw = random.Random(0)  # as nano-vllm's bench.py draws them, with seed 0
+    prompts = [[draw.randrange(config.vocab_size) for _ in range(draw.randint(low, high))]
+               for _ in range(count)]
+    return prompts, [draw.randint(low, high) for _ in range(count)]
+
+
+def batch_benchmark(weights, config, model, args):
+    """For each batch size: tokens per second, time to first token (median and worst over the
+    prompts), peak memory, ours and mlx-lm's, and the ratios."""
+    sizes, reps = args.batch_sizes, args.reps
+    if len(set(batch_workload(config, args, sizes[0])[1])) > 1:  # new tokens differ by prompt
+        try:  # a prompt of one token, one new token, asked for as a list of counts
+            next(li.generate_batch([[0]], weights, config, [1], batch_size=1))
+        except TypeError:
+            sys.exit("bench.py: error: --batch-mix asks for a number of new tokens per prompt, "
+                     "and this llm_inference.generate_batch takes one number for all prompts")
+    if args.batch_mix:
+        count, low, high = args.batch_mix
+        print(f"many prompts at once, nano-vllm's mix: {count} prompts, {low}-{high} tokens each "
+              f"and {low}-{high} new ones (uniform, seed 0), at each batch size")
+    else:
+        print(f"many prompts at once, equal prompts: B prompts of {args.prompt_lengths[0]} tokens, "
+              f"{args.decode_tokens} new tokens each, at batch size B")
+    print(f"greedy, no stop token; tok/s: generated tokens over the whole run; TTFT: from the "
+          f"run's start to a prompt's first token, the median and the worst over the prompts; "
+          f"{medians_of(reps)} after a warm-up, alternating which runtime goes first")
+    print(f"{'batch':>5} {'prompts':>7} {'runtime':>7} {'tokens':>7} {'tok/s':>9} "
+          f"{f'vs B={sizes[0]}':>8} {'TTFT ms':>9} {'worst ms':>9} {'peak GB':>8}", flush=True)
+    first_speed = {}
+    for size in sizes:
+        prompts, max_tokens = batch_workload(config, args, size)
+        runners = {"ours": ours_batched(weights, config, size),
+                   "mlx-lm": mlx_lm_batched(model, size)}
+        progress(f"batch size {size}, warm-up")
+        for run in runners.values():  # compile kernels, size the allocator
+            timed_batch(run, prompts, [min(n, 4) for n in max_tokens])
+        results = {name: [] for name in runners}
+        for rep in range(reps):
+            progress(f"batch size {size}, rep {rep + 1}/{reps}")
+            for name in (list(runners) if rep % 2 == 0 else list(runners)[::-1]):
+                results[name].append(timed_batch(runners[name], prompts, max_tokens))
+        med = {name: {k: statistics.median(r[k] for r in rs)
+                      for k in ("speed", "ttft", "worst", "peak")} for name, rs in results.items()}
+        for name, m in med.items():
+            first_speed.setdefault(name, m["speed"])
+            generated = sum(map(len, results[name][0]["tokens"]))
+            print(f"{size:>5} {len(prompts):>7} {name:>7} {generated:>7} {m['speed']:9.1f} "
+                  f"{m['speed'] / first_speed[name]:7.2f}x {m['ttft'] * 1e3:9.1f} "
+                  f"{m['worst'] * 1e3:9.1f} {m['peak']:8.2f}")
+        o, t = med["ours"], med["mlx-lm"]
+        same = sum(a == b for a, b in zip(*(rs[0]["tokens"] for rs in results.values())))
+        print(f"{'':>5} {'':>7} {'ratio':>7} ours/mlx-lm: tok/s {o['speed'] / t['speed']:.2f}x, "
+              f"TTFT {o['ttft'] / t['ttft']:.2f}x, worst {o['worst'] / t['worst']:.2f}x, peak "
+              f"{o['peak'] / t['peak']:.2f}x; greedy tokens identical: {same}/{len(prompts)} "
+              "prompts", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------

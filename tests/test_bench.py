@@ -444,7 +444,7 @@ def test_cache_lengths_take_decode_tokens(checkpoints, load_once, monkeypatch, c
     assert bench_main(monkeypatch, "--model", folder, "--cache-lengths", 40, "--decode-tokens",
                       30) == ("bench.py: error: a prompt and its new tokens would reach 70 tokens, "
                               "beyond the model's 64-token context: lower --prompt-lengths, "
-                              "--cache-lengths or --decode-tokens")
+                              "--cache-lengths, --decode-tokens or --batch-mix")
     runs.clear()
     assert bench_main(monkeypatch, "--model", folder, "--cache-lengths", 8, "--reps", 1) is None
     assert "over 16 new tokens" in capsys.readouterr().out and runs == [4, 16, 4, 16]
@@ -470,3 +470,76 @@ def test_draft_model_compares_both_runtimes_with_and_without_a_draft(tiny_folder
                                         ["q8", "2", "greedy"], ["q8", "2", "sampled"]]
     assert rows[0][-1] == rows[2][-1] == "4/4"  # the same greedy tokens, with a draft or without
     assert all(row[5].endswith("%") and row[9].endswith("%") for row in rows[2:])
+
+
+def test_batch_sizes_and_mix_run_both_runtimes_on_the_same_prompts(tiny_folder, load_once,
+                                                                  monkeypatch, capsys):
+    """bench.py --batch-sizes and --batch-mix: at each batch size B, ours (li.generate_batch) and
+    mlx-lm's BatchGenerator (batch_generate's loop) get the same prompts and new tokens, decode at
+    most B rows together, and give every prompt all its tokens, the same greedy ones. Each B has a
+    row per runtime and the ratios; the mix's 3 prompts at B = 2 make one join mid-way."""
+    import importlib
+
+    if not hasattr(li, "generate_batch"):  # TEMPORARY, until section 23 lands: delete then
+        def stand_in(prompts, weights, config, max_tokens, sampling=li.Sampling(), eos_ids=(),
+                     batch_size=8):
+            for i, prompt in enumerate(prompts):
+                for token, _ in li.generate_long(prompt, weights, config, max_tokens):
+                    yield i, token
+        monkeypatch.setattr(li, "generate_batch", stand_in, raising=False)
+    calls, generate_batch = [], li.generate_batch  # (runtime, B, prompt lengths, new tokens)
+
+    def ours(prompts, weights, config, max_tokens, batch_size=8):
+        calls.append(("ours", batch_size, [len(p) for p in prompts], max_tokens))
+        return generate_batch(prompts, weights, config, max_tokens, batch_size=batch_size)
+
+    class Theirs(importlib.import_module("mlx_lm.generate").BatchGenerator):
+        def insert(self, prompts, max_tokens=None):
+            lengths = [len(p) for p in prompts]
+            calls.append(("mlx-lm", self.completion_batch_size, lengths, max_tokens))
+            return super().insert(prompts, max_tokens)
+
+    monkeypatch.setattr(li, "generate_batch", ours, raising=False)
+    monkeypatch.setattr(importlib.import_module("mlx_lm.generate"), "BatchGenerator", Theirs)
+    row = re.compile(r"(?m)^ +(\d+) +(\d+) +(ours|mlx-lm) +(\d+) +([\d.]+) +[\d.]+x +([\d.]+) "
+                     r"+([\d.]+) +[\d.]+$")
+    for flags, sizes, prompts, new in (
+            (["--batch-sizes", 1, 3, "--prompt-lengths", 5, "--decode-tokens", 6], [1, 3], None, 6),
+            (["--batch-mix", 3, 4, 4, "--batch-sizes", 2], [2], 3, 4)):
+        calls.clear()
+        assert bench_main(monkeypatch, "--model", tiny_folder, *flags, "--reps", 1) is None
+        out = capsys.readouterr().out
+        # Each B: a warm-up of each (at most 4 new tokens), then a run of each, ours first.
+        length = 5 if prompts is None else 4
+        assert calls == [(name, size, [length] * (prompts or size),
+                          count if name == "ours" else [count] * (prompts or size))
+                         for size in sizes for count in (min(new, 4), new)
+                         for name in ("ours", "mlx-lm")], calls
+        rows = row.findall(out)
+        assert [(int(b), name) for b, _, name, *_ in rows] == [
+            (size, name) for size in sizes for name in ("ours", "mlx-lm")], out
+        for size, n, _, tokens, speed, ttft, worst in rows:
+            assert int(n) == (prompts or int(size)) and int(tokens) == int(n) * new, out
+            assert float(speed) > 0 and float(worst) >= float(ttft) > 0, out
+        for size in sizes:
+            assert f"greedy tokens identical: {prompts or size}/{prompts or size} prompts" in out
+    assert "nano-vllm's mix: 3 prompts, 4-4 tokens each and 4-4 new ones" in out
+    # On the CPU with no size flag: the tiny model and smaller sizes, said first (nothing timed).
+    import tests.checkpoint
+
+    monkeypatch.setattr(tests.checkpoint, "write_checkpoint",
+                        lambda folder, config=None, *args, **kwargs: copy(tiny_folder, folder))
+    monkeypatch.setattr(li, "generate_batch", lambda *args, **kwargs: iter([(0, 0)]))  # the probe
+    monkeypatch.setattr(bench, "timed_batch", lambda run, prompts, max_tokens: calls.append(
+        (len(prompts), max(map(len, prompts)), max(max_tokens))) or dict(
+        speed=1.0, ttft=0.1, worst=0.2, peak=0.1, tokens=[[0] * n for n in max_tokens]))
+    for mode, sizes, runs in (
+            ("--batch-sizes", "--batch-sizes 1 4 16 64 --prompt-lengths 32 --decode-tokens 8",
+             [(b, 32, n) for b in (1, 4, 16, 64) for n in [4] * 2 + [8] * 6]),
+            ("--batch-mix", "--batch-mix 16 8 32 --batch-sizes 4 16",  # its longest: 32 in, 31 out
+             [(16, 32, n) for _ in (4, 16) for n in [4] * 2 + [31] * 6])):
+        calls.clear()
+        assert bench_main(monkeypatch, "--device", "cpu", mode) is None
+        out = capsys.readouterr().out
+        assert out.startswith(f"on the CPU with no size flag: --tiny {sizes} --reps 3 "), out
+        assert ", 2 layers, " in out and calls == runs, calls
