@@ -786,12 +786,6 @@ def batch_benchmark(weights, config, model, args):
     """For each batch size: tokens per second, time to first token (median and worst over the
     prompts), peak memory, ours and mlx-lm's, and the ratios."""
     sizes, reps = args.batch_sizes, args.reps
-    if len(set(batch_workload(config, args, sizes[0])[1])) > 1:  # new tokens differ by prompt
-        try:  # a prompt of one token, one new token, asked for as a list of counts
-            next(li.generate_batch([[0]], weights, config, [1], batch_size=1))
-        except TypeError:
-            sys.exit("bench.py: error: --batch-mix asks for a number of new tokens per prompt, "
-                     "and this llm_inference.generate_batch takes one number for all prompts")
     if args.batch_mix:
         count, low, high = args.batch_mix
         print(f"many prompts at once, nano-vllm's mix: {count} prompts, {low}-{high} tokens each "

@@ -1394,10 +1394,12 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
                    batch_size=8):
     """Yield (i, token_id) for prompts (lists of ids), i a prompt's index, as each step computes
     them. At most batch_size rows decode together. A prompt ends after a token in eos_ids (yielded
-    too) or max_tokens tokens, as in generate(), and its row takes the next waiting prompt. Each row
-    splits its own key from mx.random.key(sampling.seed) as generate() does, so a prompt gets the
-    tokens generate_long() gives it alone (greedy: to rounding; sampled: the same seed)."""
-    waiting = list(range(len(prompts)))[::-1]  # pop() takes prompt 0 first
+    too) or max_tokens tokens (one count for all, or a list), as in generate(), and its row takes
+    the next waiting prompt. Each row splits its own key from mx.random.key(sampling.seed) as
+    generate() does, so a prompt gets the tokens generate_long() gives it alone (greedy: to
+    rounding; sampled: the same seed)."""
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    waiting = [i for i in reversed(range(len(prompts))) if limits[i] > 0]  # pop(): prompt 0 first
     rows, pads, keys, counts = [], [], [], []  # per row: prompt index, padding, key, tokens out
     cache, first = make_cache(config), 0  # first: the RoPE position of column 0
     tokens = no_tokens = mx.zeros((0,), mx.uint32)  # each row's next token, not yet cached
@@ -1434,12 +1436,12 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
             per_row.extend(added)
         return new_tokens
 
-    while max_tokens > 0 and (rows or waiting):
+    while rows or waiting:
         joining = [waiting.pop() for _ in range(min(batch_size - len(rows), len(waiting)))]
         if joining:
             tokens = mx.concatenate([tokens, join(joining)])
-        following = no_tokens  # 2. decode, on tokens not yet computed, unless max_tokens ends all
-        if min(counts) + 1 < max_tokens:
+        following = no_tokens  # 2. decode, on tokens not yet computed, unless every row ends now
+        if any(count + 1 < limits[i] for i, count in zip(rows, counts)):
             logits = forward_batch(tokens[:, None], weights, config, cache, pads, first)
             following = pick(logits, keys)  # (B,)
             mx.async_eval(following)
@@ -1447,7 +1449,7 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
         for row, token_id in enumerate(tokens.tolist()):  # 3. yield: waits for the tokens
             yield rows[row], token_id
             counts[row] += 1
-            if token_id in eos_ids or counts[row] == max_tokens:
+            if token_id in eos_ids or counts[row] == limits[rows[row]]:
                 ended.add(row)
         tokens = following
         if ended:  # 4. end: drop their rows, and columns that are padding in every row left

@@ -62,6 +62,14 @@ def test_greedy_each_prompt_gets_its_tokens_alone(model, batch_size):
     assert batched(prompts, weights, config, 8, eos_ids=eos_ids, batch_size=batch_size) == expected
 
 
+def test_each_prompt_may_have_its_own_max_tokens(model):
+    """bench.py's mix gives each prompt its own count, as mlx-lm's batch_generate takes them."""
+    _, config, weights, prompts = model
+    limits = [3, 0, 1, 5, 2, 4, 0, 6]
+    expected = [alone([prompt], weights, config, n)[0] for prompt, n in zip(prompts, limits)]
+    assert batched(prompts, weights, config, limits, batch_size=3) == expected
+
+
 def test_sampled_each_prompt_gets_its_tokens_alone_with_the_same_seed(model):
     _, config, weights, prompts = model
     sampling = li.Sampling(temperature=1.5, top_k=50, top_p=0.9, seed=7)

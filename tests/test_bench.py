@@ -480,13 +480,6 @@ def test_batch_sizes_and_mix_run_both_runtimes_on_the_same_prompts(tiny_folder, 
     row per runtime and the ratios; the mix's 3 prompts at B = 2 make one join mid-way."""
     import importlib
 
-    if not hasattr(li, "generate_batch"):  # TEMPORARY, until section 23 lands: delete then
-        def stand_in(prompts, weights, config, max_tokens, sampling=li.Sampling(), eos_ids=(),
-                     batch_size=8):
-            for i, prompt in enumerate(prompts):
-                for token, _ in li.generate_long(prompt, weights, config, max_tokens):
-                    yield i, token
-        monkeypatch.setattr(li, "generate_batch", stand_in, raising=False)
     calls, generate_batch = [], li.generate_batch  # (runtime, B, prompt lengths, new tokens)
 
     def ours(prompts, weights, config, max_tokens, batch_size=8):
