@@ -10,8 +10,10 @@ real Qwen tokenizer), built once per session; bad-input cases copy it and break 
 """
 
 import ast
+import contextlib
 import hashlib
 import http.server
+import io
 import itertools
 import json
 import math
@@ -529,6 +531,93 @@ def test_null_generation_config_values_are_unset(tiny_model, variant, tmp_path):
                                            "--seed", 1, cwd=tmp_path))
     # Unset: Qwen's recommendations for thinking mode (model card) apply.
     assert lines[1].endswith("temperature 0.6, top-k 20, top-p 0.95, seed 1")
+
+
+# --prompts FILE: many prompts at once (section 23), a JSON line for each
+
+BATCH_PROMPTS = ["The capital of France is", "Hi", "Once upon a time, in a land far away, there lived"]
+
+
+def one_by_one(prompts, weights, config, max_tokens, sampling=li.Sampling(), eos_ids=(),
+               batch_size=8):
+    """A stand-in for section 23's generate_batch until that is merged: up to batch_size prompts in
+    turn, one token each per round, through generate_long; a prompt that ends frees its place for
+    the next. So a later prompt can end first, as in continuous batching."""
+    waiting, rows = list(enumerate(prompts)), []
+    while waiting or rows:
+        while waiting and len(rows) < batch_size:
+            i, ids = waiting.pop(0)
+            rows.append((i, li.generate_long(ids, weights, config, max_tokens, sampling, eos_ids)))
+        for i, tokens in list(rows):
+            token = next(tokens, None)
+            if token is None:
+                rows.remove((i, tokens))
+            else:
+                yield i, token[0]
+
+
+@pytest.fixture
+def batched(monkeypatch):
+    """li.generate_batch, or the stand-in while section 23 is not there."""
+    if not hasattr(li, "generate_batch"):
+        monkeypatch.setattr(li, "generate_batch", one_by_one, raising=False)
+
+
+def prompts_file(tmp_path, lines, data=None):
+    path = tmp_path / "prompts.txt"
+    path.write_bytes("".join(line + "\n" for line in lines).encode() if data is None else data)
+    return str(path)
+
+
+def alone(model, prompt, *flags):
+    """The text a single-prompt run prints, in this process."""
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
+        assert li.main(["--model", str(model), "--prompt", prompt, *flags]) == 0
+    return out.getvalue().removesuffix("\n")
+
+
+def test_prompts_print_a_json_line_each_in_the_files_order(reference, variant, batched, capsys,
+                                                         monkeypatch, tmp_path):
+    """Greedy, --batch-size 2 for 3 prompts: prompt 2 ends first, on an end token that
+    generation_config.json adds, and prompt 3 takes its place; the lines still come in the file's
+    order, each with the text a run of that prompt alone prints."""
+    stop = reference.generate(BATCH_PROMPTS[1], 3)[2]  # prompt 2's third token ends it
+    config = json.loads((reference.folder / "generation_config.json").read_text())
+    model = variant(generation_config_json=config | {"eos_token_id": [*reference.eos_ids, stop]})
+    flags = ["--max-tokens", "8"]
+    texts = [alone(model, prompt, *flags) for prompt in BATCH_PROMPTS]
+    monkeypatch.setattr(cli.Prefill, "PROGRESS_AFTER", 0)  # progress from the first prompt on
+    assert li.main(["--model", str(model), "--prompts", prompts_file(tmp_path, BATCH_PROMPTS),
+                    "--batch-size", "2", *flags]) == 0
+    out, err = capsys.readouterr()
+    lines = out.split("\n")
+    assert lines[-1] == "" and len(lines) == 4, out
+    replies = [json.loads(line) for line in lines[:-1]]
+    assert replies == [{"prompt": prompt, "text": text, "tokens": n, "finish_reason": reason}
+                       for prompt, text, n, reason in zip(BATCH_PROMPTS, texts, [8, 3, 8],
+                                                          ["length", "stop", "length"])]
+    err = stderr_lines(err)
+    n_prompt = sum(len(reference.ids(prompt)) for prompt in BATCH_PROMPTS)
+    assert err[0].startswith("Model: model (")
+    assert err[1] == f"Prompts: 3 ({n_prompt} tokens), greedy"
+    assert re.fullmatch(r"prompts: 1/3 done, \d+ tok/s", err[2]), err  # then one a second at most
+    assert all(re.fullmatch(r"prompts: [23]/3 done, \d+ tok/s", line) for line in err[3:-1]), err
+    assert re.fullmatch(r"Prompts: 3 of 3 printed \| Generated: 19 tokens, [\d.]+ tok/s \| "
+                        r"Time: [\d.]+ s \| Peak memory: [\d.]+ GB", err[-1]), err[-1]
+
+
+def test_prompts_from_stdin_sample_each_as_alone(tiny_model, batched, capsys, monkeypatch):
+    """Sampled with min-p and a seed, each prompt's text is the one it gets alone with that seed.
+    stdin is read as an editor reads a file: a BOM and CRLF line ends are no part of a prompt."""
+    flags = ["--max-tokens", "6", "--temperature", "1.5", "--min-p", "0.2", "--seed", "7"]
+    texts = [alone(tiny_model, prompt, *flags) for prompt in BATCH_PROMPTS]
+    data = "\ufeff" + "".join(prompt + "\r\n" for prompt in BATCH_PROMPTS)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data.encode())))
+    assert li.main(["--model", str(tiny_model), "--prompts", "-", *flags]) == 0
+    out, err = capsys.readouterr()
+    replies = [json.loads(line) for line in out.split("\n")[:-1]]
+    assert [(r["prompt"], r["text"]) for r in replies] == list(zip(BATCH_PROMPTS, texts)), err
+    assert "min-p 0.2, seed 7" in err
 
 
 # ------------------------------------------------------------------------------------------------
