@@ -660,6 +660,55 @@ def test_bad_flag(tiny_model, tmp_path, flags, needles):
     assert_one_line_error(run_cli("--model", tiny_model, *flags, cwd=tmp_path), 2, *needles)
 
 
+def test_prompts_refuse_the_flags_they_do_not_apply_with(capsys):
+    """Each flag that a batch of plain completions cannot honour is refused in one line, exit 2;
+    --min-p applies (each row draws through sample()), and so does --min-p 0."""
+    for flags in (["--prompt", ""], ["--chat"], ["--draft-model", "d"], ["--trace"],
+                  ["--no-cache"], ["--top-probs", "3"], ["--presence-penalty", "0.5"]):
+        with pytest.raises(SystemExit) as refused:
+            cli.parse_args(["--prompts", "p.txt", *flags])
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and err == (f"llm_inference.py: error: --prompts does not "
+                                                   f"apply with {flags[0]} (see --help)\n"), err
+    for flags in (["--min-p", "0"], ["--min-p", "0.1", "--temperature", "1"]):
+        assert cli.parse_args(["--prompts", "p.txt", *flags]).batch_size == 8
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"", "line 1 of {} is empty: --prompts takes one prompt per line, none empty"),
+    (b"Hi\n\nthere\n", "line 2 of {} is empty: --prompts takes one prompt per line, none empty"),
+    (b"Hi\r\n \t\r\n", "line 2 of {} is empty: --prompts takes one prompt per line, none empty"),
+    (b"Hi\ncaf\xc3\n", "{} is not valid UTF-8 text (cut in the middle of a character?)"),
+    (None, "cannot read {} (No such file or directory); give --prompts a text file with one prompt "
+           "per line"),
+    (b"Hi\n" + "The capital of France is\n".encode(),
+     "the prompt on line 2 has 5 tokens; with --max-tokens 40956 that exceeds the model's "
+     "40960-token context: shorten it or lower --max-tokens")],
+    ids=["empty file", "empty line", "blank line", "not UTF-8", "missing", "too long"])
+def test_prompts_a_bad_file_is_one_line_naming_the_line(tiny_model, batched, capsys, tmp_path,
+                                                        data, message):
+    """Refused before any prompt runs: nothing on stdout. A prompt too long for the context with
+    --max-tokens is named by its line (line 1, of 1 token, fits)."""
+    path = tmp_path / "prompts.txt"
+    if data is not None:
+        path.write_bytes(data)
+    with pytest.raises(cli.UserError) as refused:
+        li.main(["--model", str(tiny_model), "--prompts", str(path), "--max-tokens", "40956"])
+    assert str(refused.value) == message.format(path)
+    assert capsys.readouterr().out == ""
+
+
+def test_prompts_are_refused_under_several_processes(tiny_model, monkeypatch):
+    """Under mlx.launch, once (a SharedError), before reading the file."""
+    from tests.test_distributed import Group
+
+    monkeypatch.setattr(li.mx.distributed, "init", lambda: Group(2))
+    monkeypatch.setattr(cli, "join", lambda group: None)  # no signal handlers, no shared reads
+    with pytest.raises(cli.SharedError, match="^--prompts runs in one process only: drop it under "
+                                              "mlx.launch$"):
+        li.main(["--model", str(tiny_model), "--prompts", "absent.txt"])
+
+
 def test_model_folder_missing(tmp_path):
     missing = tmp_path / "no-such-model"
     assert_one_line_error(run_cli("--model", missing, cwd=tmp_path), 1, f"model folder {missing} not found")
@@ -1995,6 +2044,33 @@ def test_ctrl_c_keeps_text_and_prints_stats(tiny_model, reference, tmp_path):
     # What was printed is the greedy continuation, as far as it got.
     expected = reference.tokenizer.decode(reference.generate(PROMPT, n_generated), skip_special_tokens=True)
     assert expected.startswith(stdout[:-1]) and len(stdout[:-1]) > 0
+
+
+def test_prompts_ctrl_c_leaves_the_finished_lines_whole(reference, batched, capsys, monkeypatch,
+                                                       tmp_path):
+    """Ctrl-C (here raised after 11 tokens: prompt 1's 8, prompt 2's first 3) ends the run with
+    exit code 130: prompt 1's line printed whole, nothing of prompt 2, the statistics, then
+    "Interrupted."."""
+    generate_batch = li.generate_batch
+
+    def interrupted(*args, **kwargs):
+        for n, pair in enumerate(generate_batch(*args, **kwargs), 1):
+            if n == 12:
+                raise KeyboardInterrupt
+            yield pair
+
+    monkeypatch.setattr(li, "generate_batch", interrupted)
+    args = ["--model", str(reference.folder), "--prompts", prompts_file(tmp_path, BATCH_PROMPTS),
+            "--batch-size", "1", "--max-tokens", "8"]
+    with pytest.raises(SystemExit) as exited:
+        cli.run(lambda: li.main(args))
+    out, err = capsys.readouterr()
+    assert exited.value.code == 130
+    text = reference.text(BATCH_PROMPTS[0], 8)
+    assert out == json.dumps({"prompt": BATCH_PROMPTS[0], "text": text, "tokens": 8,
+                              "finish_reason": "length"}, ensure_ascii=False) + "\n"
+    assert "Traceback" not in err and err.endswith("\n\nInterrupted.\n"), err
+    assert re.match(r"Prompts: 1 of 3 printed \| Generated: 11 tokens, ", err.splitlines()[-3])
 
 
 def test_closed_stdout_pipe_ends_quietly(tiny_model, tmp_path):
