@@ -535,7 +535,8 @@ def test_null_generation_config_values_are_unset(tiny_model, variant, tmp_path):
 
 # --prompts FILE: many prompts at once (section 23), a JSON line for each
 
-BATCH_PROMPTS = ["The capital of France is", "Hi", "Once upon a time, in a land far away, there lived"]
+BATCH_PROMPTS = ["The capital of France is", "Hi",
+                 "Once upon a time, in a land far away, there lived"]
 
 
 def one_by_one(prompts, weights, config, max_tokens, sampling=li.Sampling(), eos_ids=(),
@@ -573,7 +574,8 @@ def alone(model, prompt, *flags):
     """The text a single-prompt run prints, in this process; then Part 2's replacements undone, so
     that the next run makes its own (as tests/conftest.py's part1_as_written does after a test)."""
     names = dict(vars(li))
-    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()) as out, \
+            contextlib.redirect_stderr(io.StringIO()):
         assert li.main(["--model", str(model), "--prompt", prompt, *flags]) == 0
     vars(li).update(names)
     return out.getvalue().removesuffix("\n")
