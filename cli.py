@@ -614,7 +614,20 @@ def as_text(data, what, error=UserError):
 
 
 def read_prompt(args, group):
-    """--prompt's text (stdin for '-'), as process 0 reads it; None for a chat without one."""
+    """--prompt's text (stdin for '-'), as process 0 reads it; None for a chat without one. With
+    --prompts, the lines of its file (stdin for '-'), each a prompt: an empty one is refused."""
+    if args.prompts is not None:
+        if group.size() > 1:  # section 23 decodes in one process
+            raise SharedError("--prompts runs in one process only: drop it under mlx.launch")
+        where = "stdin" if args.prompts == "-" else Path(args.prompts)
+        with reading(where, "give --prompts a text file with one prompt per line"):
+            data = sys.stdin.buffer.read() if args.prompts == "-" else where.read_bytes()
+        prompts = as_text(data, where).removesuffix("\n").split("\n")  # empty: one empty line
+        for number, prompt in enumerate(prompts, 1):
+            if not prompt.strip():
+                raise UserError(f"line {number} of {where} is empty: --prompts takes one prompt "
+                                "per line, none empty")
+        return prompts
     if args.chat and args.prompt is None:
         return None
     if group.size() > 1 and args.prompt == "-":  # mlx.launch never closes the processes' input
@@ -662,6 +675,10 @@ def parse_args(argv):
     add = ap.add_argument
     add("--prompt", help=f"the text to continue ('-' reads stdin; default: {DEFAULT_PROMPT!r}); "
         "with --chat, one message and its reply")
+    add("--prompts", metavar="FILE", help="many prompts, one per line ('-' reads stdin), decoded "
+        "together (section 23): a JSON line for each on stdout, in the file's order")
+    add("--batch-size", type=number(int, "count"), default=8, metavar="N", help="with --prompts: "
+        "the most prompts decoded together (%(default)s, measured in docs/performance.md)")
     add("--max-tokens", type=number(int, "count"), help=f"stop after this many new tokens "
         f"({MAX_TOKENS}; {CHAT_MAX_TOKENS} with --chat; at most half the context)")
     for name, kind, text in (  # the sampling flags, each checked by its rule in SETTINGS
@@ -710,6 +727,10 @@ def parse_args(argv):
             ap.error(f"{flag} does not apply to --trace, which runs one pass and makes no reply")
     if args.draft_model and (args.no_cache or args.trace or args.presence_penalty):
         ap.error("--draft-model does not apply with --no-cache, --trace or --presence-penalty")
+    clashes = [f"--{name.replace('_', '-')}" for name in ("prompt", "chat", "draft_model", "trace",
+               "no_cache", "top_probs", "presence_penalty") if getattr(args, name) not in (None, 0)]
+    if args.prompts is not None and clashes:  # False == 0: a store_true flag not given
+        ap.error(f"--prompts does not apply with {', '.join(clashes)}")
     if args.system is not None:  # the same on every process: said once (section 20)
         args.system = as_text(args.system, "--system", SharedError)
     if args.chat and args.temperature == 0:
@@ -777,11 +798,11 @@ def check_context(n_prompt, new_tokens, context, prompt, fix, error=SharedError)
         raise error(f"{prompt}{limit} the model's {context}-token context: {fix}")
 
 
-def check_prompt(prompt_ids, config, max_new, trace):
+def check_prompt(prompt_ids, config, max_new, trace, what="the prompt"):
     check_ids(prompt_ids, config)
     fix = "shorten it" + ("" if trace else " or lower --max-tokens")
     check_context(len(prompt_ids), 0 if trace else max_new, config.max_position_embeddings,
-                  f"the prompt has {plural(len(prompt_ids), 'token')}", fix)
+                  f"{what} has {plural(len(prompt_ids), 'token')}", fix)
 
 
 # --- Terminal output: the header, a reply as it comes, tables, the statistics line -------------
@@ -811,6 +832,8 @@ def print_header(model_arg, model_dir, config, n, dtype, weights, how, max_token
         print(OPENBLAS_HINT, file=sys.stderr)
     if prompt is None:
         print(f"Chat: {how}, up to {max_tokens} tokens per reply. {CHAT_HELP}.", file=sys.stderr)
+    elif isinstance(prompt, list):  # --prompts
+        print(f"Prompts: {len(prompt)} ({plural(n_prompt, 'token')}), {how}", file=sys.stderr)
     else:
         shortened = prompt if len(prompt) <= 60 else prompt[:60] + "…"  # a prompt may be a file
         how = f", {how}" if how else ""  # --trace draws nothing
@@ -963,12 +986,12 @@ class Prefill:
     def start(self):
         self.began, self.spent, self.last = time.perf_counter(), 0.0, None
 
-    def show(self, done, total):
+    def show(self, done, total, what="prefill: {}/{} tokens", n_tokens=None):
         now = time.perf_counter()
         seconds = now - self.began - self.spent
         if seconds >= self.PROGRESS_AFTER and (self.last is None or now - self.last >= 1 or
                                                sys.stderr.isatty()):
-            line = f"prefill: {done}/{total} tokens, {done / seconds:.0f} tok/s"
+            line = f"{what.format(done, total)}, {(n_tokens or done) / seconds:.0f} tok/s"
             sys.stderr.write(f"\r\x1b[K{line}" if sys.stderr.isatty() else f"{line}\n")  # redrawn
             sys.stderr.flush()
             self.last = now
@@ -1008,6 +1031,33 @@ def stream(tokens, printer, on_first_logits=None):
     end = time.perf_counter()
     printer.finish()
     return interrupted, first - start - PREFILL.spent, end - first - untimed
+
+
+def complete_batch(tokens, prompts, tokenizer, text_stream, max_tokens, eos_ids):
+    """A JSON line per prompt on stdout, in the file's order; progress and statistics on stderr."""
+    replies, ended, printed, n = [[] for _ in prompts], set(), 0, 0
+    PREFILL.start()  # its progress line, here the prompts done
+    try:
+        for n, (i, token_id) in enumerate(tokens, 1):
+            replies[i].append(token_id)
+            if token_id in eos_ids or len(replies[i]) == max_tokens:
+                ended.add(i)
+                PREFILL.finish()  # on a terminal, lines go where the progress line was
+                while printed in ended:  # in order: a prompt ended early waits for those before
+                    ids, text = replies[printed], text_stream(tokenizer)
+                    reply = {"prompt": prompts[printed], "text": "".join(map(text, ids)),
+                             "tokens": len(ids), "finish_reason": "stop" if ids[-1] in eos_ids
+                             else "length"}  # one write below: a line is whole or absent
+                    print(json.dumps(reply, ensure_ascii=False) + "\n", end="", flush=True)
+                    printed += 1
+                PREFILL.show(len(ended), len(prompts), "prompts: {}/{} done", n)
+    finally:  # after Ctrl-C too, before run() says "Interrupted." and exits with 130
+        seconds = time.perf_counter() - PREFILL.began
+        PREFILL.finish()
+        print(f"Prompts: {printed} of {len(prompts)} printed | Generated: {plural(n, 'token')}"
+              f"{rate(n, seconds)} | Time: {seconds:.2f} s | Peak memory: "
+              f"{mx.get_peak_memory() / 1e9:.2f} GB", file=sys.stderr)
+    return 0
 
 
 def drafted(rounds, n):

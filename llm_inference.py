@@ -1472,7 +1472,7 @@ def main(argv=None):
     if group.size() > 1:
         cli.join(group)  # process 0 reads the input for all, and prints
     args = cli.parse_args(argv)
-    prompt = cli.read_prompt(args, group)  # None: a chat's messages come later
+    prompt = cli.read_prompt(args, group)  # None: a chat's messages come later. A list: --prompts
     model_dir = cli.find_model(args.model, not args.no_download, MODEL_TYPES)  # or downloads it
     if args.chat:
         cli.check_chat_template(model_dir)  # refuses a template without Qwen3's chat format
@@ -1528,6 +1528,15 @@ def main(argv=None):
         chat = Chat(weights, config, tokenizer, args.system, think=not args.no_think)
         return cli.chat_loop(chat, text_stream, max_tokens, sampling, eos_ids, args.hide_think,
                              new_reply, group, rounds)
+    if isinstance(prompt, list):  # --prompts: many prompts at once (section 23)
+        prompts_ids = [tokenize(tokenizer, line) for line in prompt]
+        for number, ids in enumerate(prompts_ids, 1):  # each fits the context, before any runs
+            cli.check_prompt(ids, config, max_tokens, False, f"the prompt on line {number}")
+        cli.print_header(args.model, model_dir, config, n, dtype, weights, how, max_tokens, prompt,
+                         sum(map(len, prompts_ids)))
+        tokens = generate_batch(prompts_ids, weights, config, max_tokens, sampling, eos_ids,
+                                args.batch_size)
+        return cli.complete_batch(tokens, prompt, tokenizer, text_stream, max_tokens, eos_ids)
     text = chat_prompt(prompt, args.system, not args.no_think) if args.chat else prompt
     prompt_ids = tokenize(tokenizer, text)
     cli.check_prompt(prompt_ids, config, max_tokens, args.trace)  # in the table and the context

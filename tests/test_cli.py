@@ -10,8 +10,10 @@ real Qwen tokenizer), built once per session; bad-input cases copy it and break 
 """
 
 import ast
+import contextlib
 import hashlib
 import http.server
+import io
 import itertools
 import json
 import math
@@ -531,6 +533,99 @@ def test_null_generation_config_values_are_unset(tiny_model, variant, tmp_path):
     assert lines[1].endswith("temperature 0.6, top-k 20, top-p 0.95, seed 1")
 
 
+# --prompts FILE: many prompts at once (section 23), a JSON line for each
+
+BATCH_PROMPTS = ["The capital of France is", "Hi",
+                 "Once upon a time, in a land far away, there lived"]
+
+
+def one_by_one(prompts, weights, config, max_tokens, sampling=li.Sampling(), eos_ids=(),
+               batch_size=8):
+    """A stand-in for section 23's generate_batch until that is merged: up to batch_size prompts in
+    turn, one token each per round, through generate_long; a prompt that ends frees its place for
+    the next. So a later prompt can end first, as in continuous batching."""
+    waiting, rows = list(enumerate(prompts)), []
+    while waiting or rows:
+        while waiting and len(rows) < batch_size:
+            i, ids = waiting.pop(0)
+            rows.append((i, li.generate_long(ids, weights, config, max_tokens, sampling, eos_ids)))
+        for i, tokens in list(rows):
+            token = next(tokens, None)
+            if token is None:
+                rows.remove((i, tokens))
+            else:
+                yield i, token[0]
+
+
+@pytest.fixture
+def batched(monkeypatch):
+    """li.generate_batch, or the stand-in while section 23 is not there."""
+    if not hasattr(li, "generate_batch"):
+        monkeypatch.setattr(li, "generate_batch", one_by_one, raising=False)
+
+
+def prompts_file(tmp_path, lines, data=None):
+    path = tmp_path / "prompts.txt"
+    path.write_bytes("".join(line + "\n" for line in lines).encode() if data is None else data)
+    return str(path)
+
+
+def alone(model, prompt, *flags):
+    """The text a single-prompt run prints, in this process; then Part 2's replacements undone, so
+    that the next run makes its own (as tests/conftest.py's part1_as_written does after a test)."""
+    names = dict(vars(li))
+    with contextlib.redirect_stdout(io.StringIO()) as out, \
+            contextlib.redirect_stderr(io.StringIO()):
+        assert li.main(["--model", str(model), "--prompt", prompt, *flags]) == 0
+    vars(li).update(names)
+    return out.getvalue().removesuffix("\n")
+
+
+def test_prompts_print_a_json_line_each_in_the_files_order(reference, variant, batched, capsys,
+                                                         monkeypatch, tmp_path):
+    """Greedy, --batch-size 2 for 3 prompts: prompt 2 ends first, on an end token that
+    generation_config.json adds, and prompt 3 takes its place; the lines still come in the file's
+    order, each with the text a run of that prompt alone prints."""
+    stop = reference.generate(BATCH_PROMPTS[1], 3)[2]  # prompt 2's third token ends it
+    config = json.loads((reference.folder / "generation_config.json").read_text())
+    model = variant(generation_config_json=config | {"eos_token_id": [*reference.eos_ids, stop]})
+    flags = ["--max-tokens", "8"]
+    texts = [alone(model, prompt, *flags) for prompt in BATCH_PROMPTS]
+    monkeypatch.setattr(cli.Prefill, "PROGRESS_AFTER", 0)  # progress from the first prompt on
+    assert li.main(["--model", str(model), "--prompts", prompts_file(tmp_path, BATCH_PROMPTS),
+                    "--batch-size", "2", *flags]) == 0
+    out, err = capsys.readouterr()
+    lines = out.split("\n")
+    assert lines[-1] == "" and len(lines) == 4, out
+    replies = [json.loads(line) for line in lines[:-1]]
+    assert replies == [{"prompt": prompt, "text": text, "tokens": n, "finish_reason": reason}
+                       for prompt, text, n, reason in zip(BATCH_PROMPTS, texts, [8, 3, 8],
+                                                          ["length", "stop", "length"])]
+    err = stderr_lines(err)
+    n_prompt = sum(len(reference.ids(prompt)) for prompt in BATCH_PROMPTS)
+    assert err[0].startswith("Model: model (")
+    assert err[1] == f"Prompts: 3 ({n_prompt} tokens), greedy"
+    assert re.fullmatch(r"prompts: 1/3 done, \d+ tok/s", err[2]), err  # then one a second at most
+    assert all(re.fullmatch(r"prompts: [23]/3 done, \d+ tok/s", line) for line in err[3:-1]), err
+    assert re.fullmatch(r"Prompts: 3 of 3 printed \| Generated: 19 tokens, [\d.]+ tok/s \| "
+                        r"Time: [\d.]+ s \| Peak memory: [\d.]+ GB", err[-1]), err[-1]
+
+
+def test_prompts_from_stdin_sample_each_as_alone(tiny_model, batched, capsys, monkeypatch):
+    """Sampled with min-p and a seed, each prompt's text is the one it gets alone with that seed.
+    stdin is read as an editor reads a file: a BOM and CRLF line ends are no part of a prompt."""
+    flags = ["--max-tokens", "6", "--temperature", "1.5", "--top-k", "0", "--top-p", "1", "--min-p",
+             "0.2", "--seed", "7"]  # top-k 0 and top-p 1 leave min-p the tokens to rule out
+    texts = [alone(tiny_model, prompt, *flags) for prompt in BATCH_PROMPTS]
+    data = "\ufeff" + "".join(prompt + "\r\n" for prompt in BATCH_PROMPTS)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data.encode())))
+    assert li.main(["--model", str(tiny_model), "--prompts", "-", *flags]) == 0
+    out, err = capsys.readouterr()
+    replies = [json.loads(line) for line in out.split("\n")[:-1]]
+    assert [(r["prompt"], r["text"]) for r in replies] == list(zip(BATCH_PROMPTS, texts)), err
+    assert "min-p 0.2, seed 7" in err
+
+
 # ------------------------------------------------------------------------------------------------
 # 2. Bad input: one line on stderr, no traceback, exit 2 for flags and 1 for everything else
 # ------------------------------------------------------------------------------------------------
@@ -565,6 +660,56 @@ BAD_FLAGS = [
 @pytest.mark.parametrize("flags, needles", BAD_FLAGS, ids=[" ".join(flags) for flags, _ in BAD_FLAGS])
 def test_bad_flag(tiny_model, tmp_path, flags, needles):
     assert_one_line_error(run_cli("--model", tiny_model, *flags, cwd=tmp_path), 2, *needles)
+
+
+def test_prompts_refuse_the_flags_they_do_not_apply_with(capsys):
+    """Each flag that a batch of plain completions cannot honour is refused in one line, exit 2;
+    --min-p applies (each row draws through sample()), and so does --min-p 0."""
+    for flags in (["--prompt", ""], ["--chat"], ["--draft-model", "d"], ["--trace"],
+                  ["--no-cache"], ["--top-probs", "3"], ["--presence-penalty", "0.5"]):
+        with pytest.raises(SystemExit) as refused:
+            cli.parse_args(["--prompts", "p.txt", *flags])
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and err == (f"llm_inference.py: error: --prompts does not "
+                                                   f"apply with {flags[0]} (see --help)\n"), err
+    for flags in (["--min-p", "0"], ["--min-p", "0.1", "--temperature", "1"]):
+        assert cli.parse_args(["--prompts", "p.txt", *flags]).batch_size == 8
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"", "line 1 of {} is empty: --prompts takes one prompt per line, none empty"),
+    (b"Hi\n\nthere\n", "line 2 of {} is empty: --prompts takes one prompt per line, none empty"),
+    (b"Hi\r\n \t\r\n", "line 2 of {} is empty: --prompts takes one prompt per line, none empty"),
+    (b"Hi\ncaf\xc3\n", "{} is not valid UTF-8 text (cut in the middle of a character?)"),
+    (None, "cannot read {} (No such file or directory); give --prompts a text file with one prompt "
+           "per line"),
+    (b"Hi\n" + "The capital of France is\n".encode(),
+     "the prompt on line 2 has 5 tokens; with --max-tokens 40956 that exceeds the model's "
+     "40960-token context: shorten it or lower --max-tokens")],
+    ids=["empty file", "empty line", "blank line", "not UTF-8", "missing", "too long"])
+def test_prompts_a_bad_file_is_one_line_naming_the_line(tiny_model, batched, capsys, tmp_path,
+                                                        data, message):
+    """Refused before any prompt runs: nothing on stdout. A prompt too long for the context with
+    --max-tokens is named by its line (line 1, of 1 token, fits)."""
+    path = tmp_path / "prompts.txt"
+    if data is not None:
+        path.write_bytes(data)
+    max_tokens = "40956" if "context" in message else "2"  # short, should the check miss
+    with pytest.raises(cli.UserError) as refused:
+        li.main(["--model", str(tiny_model), "--prompts", str(path), "--max-tokens", max_tokens])
+    assert str(refused.value) == message.format(path)
+    assert capsys.readouterr().out == ""
+
+
+def test_prompts_are_refused_under_several_processes(tiny_model, monkeypatch):
+    """Under mlx.launch, once (a SharedError), before reading the file."""
+    from tests.test_distributed import Group
+
+    monkeypatch.setattr(li.mx.distributed, "init", lambda: Group(2))
+    monkeypatch.setattr(cli, "join", lambda group: None)  # no signal handlers, no shared reads
+    with pytest.raises(cli.SharedError, match="^--prompts runs in one process only: drop it under "
+                                              "mlx.launch$"):
+        li.main(["--model", str(tiny_model), "--prompts", "absent.txt"])
 
 
 def test_model_folder_missing(tmp_path):
@@ -1902,6 +2047,33 @@ def test_ctrl_c_keeps_text_and_prints_stats(tiny_model, reference, tmp_path):
     # What was printed is the greedy continuation, as far as it got.
     expected = reference.tokenizer.decode(reference.generate(PROMPT, n_generated), skip_special_tokens=True)
     assert expected.startswith(stdout[:-1]) and len(stdout[:-1]) > 0
+
+
+def test_prompts_ctrl_c_leaves_the_finished_lines_whole(reference, batched, capsys, monkeypatch,
+                                                       tmp_path):
+    """Ctrl-C (here raised after 11 tokens: prompt 1's 8, prompt 2's first 3) ends the run with
+    exit code 130: prompt 1's line printed whole, nothing of prompt 2, the statistics, then
+    "Interrupted."."""
+    generate_batch = li.generate_batch
+
+    def interrupted(*args, **kwargs):
+        for n, pair in enumerate(generate_batch(*args, **kwargs), 1):
+            if n == 12:
+                raise KeyboardInterrupt
+            yield pair
+
+    monkeypatch.setattr(li, "generate_batch", interrupted)
+    args = ["--model", str(reference.folder), "--prompts", prompts_file(tmp_path, BATCH_PROMPTS),
+            "--batch-size", "1", "--max-tokens", "8"]
+    with pytest.raises(SystemExit) as exited:
+        cli.run(lambda: li.main(args))
+    out, err = capsys.readouterr()
+    assert exited.value.code == 130
+    text = reference.text(BATCH_PROMPTS[0], 8)
+    assert out == json.dumps({"prompt": BATCH_PROMPTS[0], "text": text, "tokens": 8,
+                              "finish_reason": "length"}, ensure_ascii=False) + "\n"
+    assert "Traceback" not in err and err.endswith("\n\nInterrupted.\n"), err
+    assert re.match(r"Prompts: 1 of 3 printed \| Generated: 11 tokens, ", err.splitlines()[-3])
 
 
 def test_closed_stdout_pipe_ends_quietly(tiny_model, tmp_path):
