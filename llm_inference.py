@@ -990,9 +990,8 @@ def trace(prompt_ids, weights, config, tokenizer, final=None):
 # checks against mlx-lm's split model and against one process.
 #
 # With RDMA's microseconds per exchange, a split pays for a model too big for one machine.
-# Pipeline parallelism instead gives each machine whole layers, say 0-31 and 32-63, and a token
-# crosses the link once per boundary. But the machines take turns unless several sequences are in
-# flight, so one chat gains memory, not speed.
+# Pipeline parallelism (whole layers per machine) crosses the link less, but its machines take
+# turns unless several sequences are in flight (section 23): one chat gains memory, not speed.
 
 SPLIT_ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 SPLIT_COLUMNS = ("o_proj", "down_proj")
@@ -1220,9 +1219,8 @@ def use_experts(config, bits=None):
 # Try it: `python llm_inference.py --model Qwen/Qwen3-8B --draft-model Qwen/Qwen3-0.6B`. Its last
 # line counts the proposals accepted and the tokens per pass of the target.
 # It replaces make_cache (section 6) and generate_long (section 14), whose prefill it reuses.
-# tests/test_speculative.py checks that greedy, the tokens are the target's, that sampled, each
-# follows p (though a seed draws other tokens than without a draft), and that rejected proposals
-# leave nothing in either cache.
+# tests/test_speculative.py checks it. Greedy, the tokens are the target's. Sampled, each follows p,
+# though a seed draws other tokens than without a draft. Rejected proposals leave no cached trace.
 
 def distribution(logits, sampling, min_p=0.0):
     """What sample() draws from, per row (rows, vocab), no presence penalty (cli.py refuses one)."""
@@ -1314,8 +1312,8 @@ def use_speculative(draft, k, min_p=0.0):
 # --- 23. Many prompts at once: batched decoding and continuous batching (--prompts) -------------
 #
 # The problem. A decode step reads every weight once for one token (section 16). Where that sets
-# the pace (docs/performance.md#what-limits-decoding), 50 prompts in turn read them 50 times a
-# token. B prompts decoded in one pass share one read: a (B, in) product costs little more.
+# the pace (docs/performance.md#what-limits-decoding), 50 prompts in turn read them 50 times.
+# B prompts decoded in one pass share one read: a (B, in) product costs little more than (1, in).
 #
 # A static batch. Prompts are padded on the left, so that every row's last prompt token sits in
 # one column (padded on the right, each would end in its own). Each decode step then appends a
@@ -1326,34 +1324,28 @@ def use_speculative(draft, k, min_p=0.0):
 #   row 2   _ g h i   pad 1                   query 1  . x . .     query 3  . . x x
 # RoPE. Column j is at position first + j in all rows (first = 0 at the start): a is at 2, not 0.
 # Its scores see only the gap between query and key positions (section 5): the same, to rounding.
-# Continuous batching. Say row 0 ends (an end-of-sequence id, or max_tokens) after 3 new tokens,
-# in a cache of 7 columns. A waiting prompt of 5 tokens, prefilled alone at positions first + 2
-# ... first + 6, takes its place in columns 2 to 6 (pad 2). Its first new token joins the next
-# step. A prompt of 9 would need columns -2 to 6. So every row first gains 2 columns of padding on
-# the left, and first drops by 2: no key's position changes. When rows end, columns that are
-# padding in every row left go, and first grows as much.
-# The loop runs four steps, numbered in the code: 1. join (waiting prompts take the free rows),
-# 2. decode (record the next step), 3. yield (wait for the tokens), 4. end (drop the rows ended).
-# Sampling per row. Each row keeps its own key, mx.random.key(seed), split once a token as in
-# generate(). So a prompt draws with the keys it has alone, from the same logits to rounding:
-# its text is its text alone, greedy or sampled with the same seed (tests/test_batch.py).
-# Shapes, for B = 4 prompts of at most 12 tokens, and Qwen3-0.6B:
-#   prefill   ids (4, 12) -> x (4, 12, 1024) -> q (4, 16, 12, 128), mask (4, 1, 12, 12), KV
-#             cache (4, 8, 12, 128) a layer, SwiGLU on (48, 1024), logits (4, 151936), tokens (4,)
-#   decode    ids (4, 1) -> q (4, 16, 1, 128), mask (4, 1, 1, 13), KV cache (4, 8, 13, 128)
-# Not built: paged attention. Here the rows' keys are one (B, 8, total, 128) array. The longest
-# row sets total, the others hold padding, and each join or end copies it. vLLM keeps a sequence's
-# cache in blocks of 16 positions from one pool, listed in a table its attention kernel reads (MLX
-# has none). Nothing is padded or copied as rows come and go. Prompts that begin alike share blocks.
-# Try it: python llm_inference.py --prompts prompts.txt --batch-size 8
-# It replaces nothing: main() calls it for --prompts, generate_long() for --prompt. That is safe,
-# as each prompt gets its tokens alone (above). Attention is mx.fast's, even with --reference-ops.
+# Continuous batching. Say row 0 ends (an end-of-sequence id, or max_tokens) after 3 new tokens, in
+# a cache of 7 columns. A waiting prompt of 5 tokens, prefilled alone at positions first + 2 ...
+# first + 6, takes its place in columns 2 to 6 (pad 2). A prompt of 9 would need columns -2 to 6. So
+# every row first gains 2 columns of padding on the left, and first drops by 2: no key's position
+# changes. When rows end, columns that are padding in every row left go, and first grows as much.
+# Sampling per row. Each row splits its own key from mx.random.key(seed) as generate() does, so a
+# prompt's text is its text alone, greedy or with the same seed (checked: tests/test_batch.py).
+# Shapes, for B = 4 prompts of at most 12 tokens, and Qwen3-0.6B (a layer's KV cache last):
+#   prefill  ids (4, 12), x (4, 12, 1024), q (4, 16, 12, 128), mask (4, 1, 12, 12), (4, 8, 12, 128)
+#   decode   ids (4, 1), q (4, 16, 1, 128), mask (4, 1, 1, 13), (4, 8, 13, 128); logits (4, 151936)
+# Not built: paged attention. Here one (B, 8, total, 128) array holds the keys. The longest row sets
+# total, the others hold padding, and a join or an end copies it all. vLLM keeps each sequence's
+# cache in blocks of 16 positions from one pool, found through a table: nothing is padded or
+# copied, and prompts that begin alike share blocks. MLX's attention kernels read no such table.
+# Try it: python llm_inference.py --prompts prompts.txt --batch-size 8. It replaces nothing:
+# main() calls it for --prompts. Attention is mx.fast's, even with --reference-ops.
 
 def forward_batch(token_ids, weights, config, cache, pads, first):
-    """forward() for rows. token_ids (B, seq) continue `cache`, whose column 0 is at RoPE position
-    `first`, and whose row b is padding before column pads[b]. -> each row's next logits (B, vocab).
-    mx.fast.scaled_dot_product_attention takes a boolean mask that broadcasts to (B, 16, seq,
-    total) and hides a key where false. One call lets 8 key/value heads serve 16 query heads."""
+    """forward() for rows: token_ids (B, seq) continue `cache`, whose column 0 is at RoPE position
+    `first` and row b padding before column pads[b]. -> each row's next logits (B, vocab).
+    mx.fast.scaled_dot_product_attention hides a key where its boolean mask, broadcast to (B, 16,
+    seq, total), is false, and lets 8 key/value heads serve 16 query heads in one call."""
     c = config
     rows, seq = token_ids.shape
     columns = mx.arange(cache[0].offset + seq)  # (total,): these seq tokens are the last
@@ -1393,11 +1385,8 @@ def shift_cache(cache, rows, by):
 def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
                    batch_size=8):
     """Yield (i, token_id) for prompts (lists of ids), i a prompt's index, as each step computes
-    them. At most batch_size rows decode together. A prompt ends after a token in eos_ids (yielded
-    too) or max_tokens tokens (one count for all, or a list), as in generate(), and its row takes
-    the next waiting prompt. Each row splits its own key from mx.random.key(sampling.seed) as
-    generate() does, so a prompt gets the tokens generate_long() gives it alone (greedy: to
-    rounding; sampled: the same seed)."""
+    them, at most batch_size rows at a time. A prompt ends as in generate(): after a token in
+    eos_ids (yielded too) or max_tokens tokens (one count for all, or a list of counts)."""
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     waiting = [i for i in reversed(range(len(prompts))) if limits[i] > 0]  # pop(): prompt 0 first
     rows, pads, keys, counts = [], [], [], []  # per row: prompt index, padding, key, tokens out

@@ -539,31 +539,6 @@ BATCH_PROMPTS = ["The capital of France is", "Hi",
                  "Once upon a time, in a land far away, there lived"]
 
 
-def one_by_one(prompts, weights, config, max_tokens, sampling=li.Sampling(), eos_ids=(),
-               batch_size=8):
-    """A stand-in for section 23's generate_batch until that is merged: up to batch_size prompts in
-    turn, one token each per round, through generate_long; a prompt that ends frees its place for
-    the next. So a later prompt can end first, as in continuous batching."""
-    waiting, rows = list(enumerate(prompts)), []
-    while waiting or rows:
-        while waiting and len(rows) < batch_size:
-            i, ids = waiting.pop(0)
-            rows.append((i, li.generate_long(ids, weights, config, max_tokens, sampling, eos_ids)))
-        for i, tokens in list(rows):
-            token = next(tokens, None)
-            if token is None:
-                rows.remove((i, tokens))
-            else:
-                yield i, token[0]
-
-
-@pytest.fixture
-def batched(monkeypatch):
-    """li.generate_batch, or the stand-in while section 23 is not there."""
-    if not hasattr(li, "generate_batch"):
-        monkeypatch.setattr(li, "generate_batch", one_by_one, raising=False)
-
-
 def prompts_file(tmp_path, lines, data=None):
     path = tmp_path / "prompts.txt"
     path.write_bytes("".join(line + "\n" for line in lines).encode() if data is None else data)
@@ -581,7 +556,7 @@ def alone(model, prompt, *flags):
     return out.getvalue().removesuffix("\n")
 
 
-def test_prompts_print_a_json_line_each_in_the_files_order(reference, variant, batched, capsys,
+def test_prompts_print_a_json_line_each_in_the_files_order(reference, variant, capsys,
                                                          monkeypatch, tmp_path):
     """Greedy, --batch-size 2 for 3 prompts: prompt 2 ends first, on an end token that
     generation_config.json adds, and prompt 3 takes its place; the lines still come in the file's
@@ -611,7 +586,7 @@ def test_prompts_print_a_json_line_each_in_the_files_order(reference, variant, b
                         r"Time: [\d.]+ s \| Peak memory: [\d.]+ GB", err[-1]), err[-1]
 
 
-def test_prompts_from_stdin_sample_each_as_alone(tiny_model, batched, capsys, monkeypatch):
+def test_prompts_from_stdin_sample_each_as_alone(tiny_model, capsys, monkeypatch):
     """Sampled with min-p and a seed, each prompt's text is the one it gets alone with that seed.
     stdin is read as an editor reads a file: a BOM and CRLF line ends are no part of a prompt."""
     flags = ["--max-tokens", "6", "--temperature", "1.5", "--top-k", "0", "--top-p", "1", "--min-p",
@@ -687,7 +662,7 @@ def test_prompts_refuse_the_flags_they_do_not_apply_with(capsys):
      "the prompt on line 2 has 5 tokens; with --max-tokens 40956 that exceeds the model's "
      "40960-token context: shorten it or lower --max-tokens")],
     ids=["empty file", "empty line", "blank line", "not UTF-8", "missing", "too long"])
-def test_prompts_a_bad_file_is_one_line_naming_the_line(tiny_model, batched, capsys, tmp_path,
+def test_prompts_a_bad_file_is_one_line_naming_the_line(tiny_model, capsys, tmp_path,
                                                         data, message):
     """Refused before any prompt runs: nothing on stdout. A prompt too long for the context with
     --max-tokens is named by its line (line 1, of 1 token, fits)."""
@@ -2049,7 +2024,7 @@ def test_ctrl_c_keeps_text_and_prints_stats(tiny_model, reference, tmp_path):
     assert expected.startswith(stdout[:-1]) and len(stdout[:-1]) > 0
 
 
-def test_prompts_ctrl_c_leaves_the_finished_lines_whole(reference, batched, capsys, monkeypatch,
+def test_prompts_ctrl_c_leaves_the_finished_lines_whole(reference, capsys, monkeypatch,
                                                        tmp_path):
     """Ctrl-C (here raised after 11 tokens: prompt 1's 8, prompt 2's first 3) ends the run with
     exit code 130: prompt 1's line printed whole, nothing of prompt 2, the statistics, then
