@@ -1323,10 +1323,10 @@ def use_speculative(draft, k, min_p=0.0):
 #   row 1   c d e f   pad 0                   query 0  x . . .     query 2  . . x .
 #   row 2   _ g h i   pad 1                   query 1  . x . .     query 3  . . x x
 # RoPE. Column j is at position first + j in all rows (first = 0 at the start): a is at 2, not 0.
-# Its scores see only the gap between query and key positions (section 5): the same, to rounding.
-# Continuous batching. Say row 0 ends (an end-of-sequence id, or max_tokens) after 3 new tokens, in
-# a cache of 7 columns. A waiting prompt of 5 tokens, prefilled alone at positions first + 2 ...
-# first + 6, takes its place in columns 2 to 6 (pad 2). A prompt of 9 would need columns -2 to 6. So
+# A score depends only on the query-key gap (section 5): a's match an unpadded run, to rounding.
+# Continuous batching. Say row 0 ends after 3 new tokens: 7 columns (4 + 3, the third cached by a
+# step the other rows needed). A waiting prompt of 5 tokens, prefilled alone at positions first + 2
+# ... first + 6, joins as a new last row in columns 2 to 6 (pad 2). One of 9 would need -2 to 6. So
 # every row first gains 2 columns of padding on the left, and first drops by 2: no key's position
 # changes. When rows end, columns that are padding in every row left go, and first grows as much.
 # Sampling per row. Each row splits its own key from mx.random.key(seed) as generate() does, so a
@@ -1349,8 +1349,8 @@ def forward_batch(token_ids, weights, config, cache, pads, first):
     c = config
     rows, seq = token_ids.shape
     columns = mx.arange(cache[0].offset + seq)  # (total,): these seq tokens are the last
-    # A query sees from its row's first token to itself. A padding query sees itself alone: no
-    # softmax over no key at all, whatever a kernel would make of it.
+    # A query sees from its row's first token to itself. A padding query sees itself alone, so no
+    # softmax row is all -inf (which a kernel might turn into NaN).
     start = mx.minimum(mx.array(pads)[:, None], columns[None, -seq:])  # (B, seq)
     mask = (columns >= start[..., None]) & (columns <= columns[-seq:, None])  # (B, seq, total)
     x = embed(token_ids, weights["embed_tokens"])  # (B, seq, 1024)
@@ -1405,7 +1405,7 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
         longest = max(len(prompts[i]) for i in joining)
         new_pads = [longest - len(prompts[i]) for i in joining]
         ids = mx.array([[0] * pad + prompts[i] for pad, i in zip(new_pads, joining)])
-        end = cache[0].offset if rows else longest  # the new rows' last token goes in end - 1
+        end = cache[0].offset if rows else longest  # column end takes every row's next token
         new_cache = make_cache(config)
         new_keys = [mx.random.key(sampling.seed)] * len(joining)  # as generate() starts its key
         new_tokens = pick(forward_batch(ids, weights, config, new_cache, new_pads,
@@ -1429,7 +1429,7 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
         joining = [waiting.pop() for _ in range(min(batch_size - len(rows), len(waiting)))]
         if joining:
             tokens = mx.concatenate([tokens, join(joining)])
-        following = no_tokens  # 2. decode, on tokens not yet computed, unless every row ends now
+        following = no_tokens  # 2. decode, on tokens not yet computed, unless max_tokens ends all
         if any(count + 1 < limits[i] for i, count in zip(rows, counts)):
             logits = forward_batch(tokens[:, None], weights, config, cache, pads, first)
             following = pick(logits, keys)  # (B,)
