@@ -396,8 +396,8 @@ def load_eos_ids(model_dir, tokenizer):
     chat turn, and <|endoftext|> (151643), which ends a document, if the tokenizer has them."""
     path = Path(model_dir) / "generation_config.json"
     config = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    listed = config.get("eos_token_id")  # one id, a list of them, or null (None, dropped below)
-    ids = set(listed) if isinstance(listed, list) else {listed}
+    listed = config.get("eos_token_id")  # one id, a list of them, or null
+    ids = set(mx.array(listed).reshape(-1).tolist()) if listed is not None else set()  # flat
     return (ids | {tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")}) - {None}
 
 
