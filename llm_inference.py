@@ -1478,7 +1478,7 @@ def main(argv=None):
     cli.check_fit(shares, layer_shapes, dtype, args.quantize, stored, quantizable, has_experts)
     with cli.reading(model_dir / "tokenizer.json"):  # a broken file: one line naming it
         tokenizer = load_tokenizer(model_dir)
-    cli.check_tokenizer(tokenizer, config, model_dir)  # no id past the embedding table
+    cli.check_tokenizer(tokenizer, config, model_dir)  # refuses another model's tokenizer
     draft = cli.check_draft(args, model_dir, config, load_config, layer_shapes, load_tokenizer,
                             has_experts)  # --draft-model's (folder, config, quantization) or None
     # Flags first. What they leave out comes as section 10's Sampling says.
