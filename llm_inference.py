@@ -1018,8 +1018,7 @@ def can_split(config, n, group_size=None):
 
 def use_tensor_parallelism(group):
     load_whole = load_tensor  # section 16's or 21's, if they replaced it already
-    n = group.size()
-    rank = group.rank()  # this process, 0 to n - 1
+    n, rank = group.size(), group.rank()  # this process is number `rank`, from 0 to n - 1
 
     def load_share(tensors, name, dtype):
         weight = load_whole(tensors, name, dtype)
@@ -1189,7 +1188,7 @@ def use_experts(config, bits=None):
 # (make_cache below). So Chat (section 18), which sets `offset` on each layer, rolls back both.
 # A round, for k = 4, after t, the last token out:
 #   1. draft      the draft reads t (first d4 of the round before, if all passed), then draws
-#                 d1 ... d4 from its distribution q, reading each but d4 in turn     (4, vocab)
+#                 d1 ... d4 from its distribution q (kept), reading each but d4 in turn (4, vocab)
 #   2. verify     the target's forward([t, d1, ..., d4], last_only=False) gives p    (5, vocab)
 #   3. accept     each d in turn with probability min(1, p(d) / q(d)), up to the first rejection.
 #                 There the target draws from max(0, p − q), normalised (after d4: from p).
@@ -1215,12 +1214,11 @@ def use_experts(config, bits=None):
 # proposal only if the two are the same. That is exact too. But two draws agree with probability
 # Σ p·q, which is at most Σ min(p, q). For p = q = (0.5, 0.5), it keeps half the proposals, and
 # this rule all (measured: the page linked above).
-#
 # Try it: `python llm_inference.py --model Qwen/Qwen3-8B --draft-model Qwen/Qwen3-0.6B`. Its last
 # line counts the proposals accepted and the tokens per pass of the target.
 # It replaces make_cache (section 6) and generate_long (section 14), whose prefill it reuses.
-# tests/test_speculative.py checks it. Greedy, the tokens are the target's. Sampled, each follows p,
-# though a seed draws other tokens than without a draft. Rejected proposals leave no cached trace.
+# tests/test_speculative.py checks it: greedy, the target's tokens; sampled, p (though a seed draws
+# other tokens than without a draft). Rejected proposals leave no cached trace.
 
 def distribution(logits, sampling, min_p=0.0):
     """What sample() draws from, per row (rows, vocab), no presence penalty (cli.py refuses one)."""
@@ -1275,11 +1273,15 @@ def use_speculative(draft, k, min_p=0.0):
                 if token in eos_ids or n_out == max_tokens:
                     return
             x = mx.array(unread + [token])  # 1. draft: read what it has not, then draw
-            proposals, drafted = [], []  # d1 ... dk (1,) each, and their logits (vocab,) each
+            proposals, q = [], []  # d1 ... dk (1,) each, and sampled, q at each (vocab,)
             for _ in range(k):
-                drafted.append(forward(x, *draft, drafter))  # (vocab,)
-                key, pick = mx.random.split(key) if sampling.temperature else (key, key)
-                x = sample(drafted[-1], sampling, pick)[None]  # (1,), from q
+                drafted = forward(x, *draft, drafter)  # (vocab,)
+                if sampling.temperature == 0:
+                    x = drafted.argmax()[None]  # (1,): q is one-hot, step 3 needs no more
+                else:  # filtered once (top-p sorts the vocabulary): drawn from, tested in step 3
+                    key, pick = mx.random.split(key)
+                    q.append(distribution(drafted[None], sampling, min_p)[0])  # (vocab,)
+                    x = mx.random.categorical(mx.log(q[-1]), key=pick)[None]  # (1,)
                 mx.async_eval(x)  # computed while the next is recorded
                 proposals.append(x)
             start = target[0].offset  # t's position
@@ -1290,9 +1292,9 @@ def use_speculative(draft, k, min_p=0.0):
             if sampling.temperature == 0:  # 3. accept: one-hot p and q
                 passed, extra = logits[:k].argmax(-1) == proposals, logits.argmax(-1)
             else:
-                probs = distribution(mx.concatenate([logits, mx.stack(drafted)]), sampling, min_p)
+                p = distribution(logits, sampling, min_p)  # (k + 1, vocab)
                 key, *keys = mx.random.split(key, 3)  # 3 keys: one kept, one to test, one to draw
-                passed, extra = verify(probs[: k + 1], probs[k + 1 :], proposals, *keys)  # p, q
+                passed, extra = verify(p, mx.stack(q), proposals, *keys)
             mx.eval(passed, extra)
             n = (passed.tolist() + [False]).index(False)  # proposals before the first failure
             proposals = proposals.tolist()
@@ -1343,9 +1345,8 @@ def use_speculative(draft, k, min_p=0.0):
 
 def forward_batch(token_ids, weights, config, cache, pads, first):
     """forward() for rows: token_ids (B, seq) continue `cache`, whose column 0 is at RoPE position
-    `first` and row b padding before column pads[b]. -> each row's next logits (B, vocab).
-    mx.fast.scaled_dot_product_attention hides a key where its boolean mask, broadcast to (B, 16,
-    seq, total), is false, and lets 8 key/value heads serve 16 query heads in one call."""
+    `first` and row b padding before column pads[b]. -> each row's next logits (B, vocab). A key
+    is hidden where the boolean mask, broadcast to (B, 16, seq, total), is false (section 12)."""
     c = config
     rows, seq = token_ids.shape
     columns = mx.arange(cache[0].offset + seq)  # (total,): these seq tokens are the last
