@@ -1409,8 +1409,10 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
         end = cache[0].offset if rows else longest  # column end takes every row's next token
         new_cache = make_cache(config)
         new_keys = [mx.random.key(sampling.seed)] * len(joining)  # as generate() starts its key
-        new_tokens = pick(forward_batch(ids, weights, config, new_cache, new_pads,
-                                        first + end - longest), new_keys)
+        logits = forward_batch(ids, weights, config, new_cache, new_pads, first + end - longest)
+        for layer_cache in new_cache:  # a layer per mx.eval(), so Ctrl-C waits for one (as in 14)
+            mx.eval(layer_cache.keys, layer_cache.values)
+        new_tokens = pick(logits, new_keys)
         grow = max(0, longest - end)  # columns of padding the batch gains on the left
         shift_cache(new_cache, mx.arange(len(joining)), grow + end - longest)
         if rows:

@@ -122,6 +122,20 @@ def test_no_column_is_padding_in_every_row(model, monkeypatch):
     assert len(calls) > len(prompts) and all(min(pads) == 0 for pads in calls)
 
 
+def test_a_joining_prefill_runs_a_layer_per_eval(model, monkeypatch):
+    """Ctrl-C waits for the mx.eval() under way. So a prefill of joining prompts evaluates one
+    layer's keys and values at a time, all before the first token, not the whole model at once."""
+    _, config, weights, prompts = model
+    evaluated, evaluate = [], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *arrays: (evaluated.append(arrays), evaluate(*arrays)))
+    run = li.generate_batch(prompts[:3], weights, config, 2, batch_size=3)
+    next(run)
+    n = config.num_hidden_layers
+    assert len(evaluated) == n  # the three prompts join in one prefill
+    assert [[a.shape[:2] for a in arrays] for arrays in evaluated] == [
+        [(3, config.num_key_value_heads)] * 2] * n  # a layer's keys and values, 3 rows each
+
+
 def test_quantized_mixture_of_experts_rows_get_their_tokens_alone(tmp_path):
     moe = QWEN3_0_6B_CONFIG | TINY_MOE_CONFIG | {"vocab_size": 1024}
     mx.save_safetensors(str(tmp_path / "model.safetensors"), random_weights(moe, seed=3))
