@@ -215,18 +215,18 @@ def linear(x, weight):
 
 def queries_keys_values(x, layer, config, offset):
     """The first half of attention: x (seq, 1024) at positions offset, offset+1, ... -> q, k, v."""
-    c, seq = config, x.shape[0]
+    c, seq = config, x.shape[-2]
     # Project each position to queries, keys and values, and split them into heads of 128.
-    q = linear(x, layer["q_proj"]).reshape(1, seq, c.num_attention_heads, c.head_dim)
-    k = linear(x, layer["k_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim)
-    v = linear(x, layer["v_proj"]).reshape(1, seq, c.num_key_value_heads, c.head_dim)
+    q = linear(x, layer["q_proj"]).reshape(-1, seq, c.num_attention_heads, c.head_dim)
+    k = linear(x, layer["k_proj"]).reshape(-1, seq, c.num_key_value_heads, c.head_dim)
+    v = linear(x, layer["v_proj"]).reshape(-1, seq, c.num_key_value_heads, c.head_dim)
     # QK-norm RMS-normalises each head's 128 query and key channels, which could otherwise grow in
     # training until the softmax saturates. It is new to Qwen in Qwen3 (Qwen2 added biases to q, k
     # and v instead), after ViT-22B, OLMo 2 and Gemma 3. Here each head's channels lie side by side
     # in memory, so a fused RMSNorm (section 12) reads them without a copy.
     q = rms_norm(q, layer["q_norm"], c.rms_norm_eps)
     k = rms_norm(k, layer["k_norm"], c.rms_norm_eps)
-    # Heads first, for attention's (batch, heads, seq, head_dim), the leading 1 a batch axis. Then
+    # Heads first, for attention's (batch, heads, seq, head_dim), batch 1 here (reshape's -1). Then
     # rotate, as Qwen3 was trained: RoPE mixes channels i and i + 64, which have gains of their own.
     q = apply_rope(q.swapaxes(1, 2), offset, c.rope_theta)
     k = apply_rope(k.swapaxes(1, 2), offset, c.rope_theta)
@@ -1357,13 +1357,8 @@ def forward_batch(token_ids, weights, config, cache, pads, first):
     x = embed(token_ids, weights["embed_tokens"])  # (B, seq, 1024)
     for layer, layer_cache in zip(weights["layers"], cache):  # transformer_block(), for rows
         h = rms_norm(x, layer["input_layernorm"], c.rms_norm_eps)
-        q = linear(h, layer["q_proj"]).reshape(rows, seq, -1, c.head_dim)  # (B, seq, 16, 128)
-        k = linear(h, layer["k_proj"]).reshape(rows, seq, -1, c.head_dim)  # (B, seq, 8, 128)
-        v = linear(h, layer["v_proj"]).reshape(rows, seq, -1, c.head_dim).swapaxes(1, 2)
-        q = rms_norm(q, layer["q_norm"], c.rms_norm_eps).swapaxes(1, 2)  # (B, 16, seq, 128)
-        k = rms_norm(k, layer["k_norm"], c.rms_norm_eps).swapaxes(1, 2)  # (B, 8, seq, 128)
-        q = apply_rope(q, first + layer_cache.offset, c.rope_theta)  # column 0 at position first
-        k = apply_rope(k, first + layer_cache.offset, c.rope_theta)
+        # Part 1's, with B rows: q (B, 16, seq, 128), k and v (B, 8, seq, 128). Column 0 at first.
+        q, k, v = queries_keys_values(h, layer, c, first + layer_cache.offset)
         k, v = layer_cache.update_and_fetch(k, v)  # (B, 8, total, 128)
         h = mx.fast.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(c.head_dim),
                                                  mask=mask[:, None])  # (B, 16, seq, 128)
