@@ -677,7 +677,7 @@ def parse_args(argv):
         "with --chat, one message and its reply")
     add("--prompts", metavar="FILE", help="many prompts, one per line ('-' reads stdin), decoded "
         "together (section 23): a JSON line for each on stdout, in the file's order")
-    add("--batch-size", type=number(int, "count"), default=8, metavar="N", help="with --prompts: "
+    add("--batch-size", type=number(int, "count"), default=16, metavar="N", help="with --prompts: "
         "the most prompts decoded together (%(default)s; docs/performance.md, Many prompts)")
     add("--max-tokens", type=number(int, "count"), help=f"stop after this many new tokens "
         f"({MAX_TOKENS}; {CHAT_MAX_TOKENS} with --chat; at most half the context)")

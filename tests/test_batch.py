@@ -41,10 +41,10 @@ def alone(prompts, weights, config, max_tokens, sampling=li.Sampling(), eos_ids=
 
 
 def batched(prompts, weights, config, max_tokens, sampling=li.Sampling(), eos_ids=(),
-            batch_size=8):
+            batch_size=8, join_rows=8):
     tokens = [[] for _ in prompts]
     for i, token in li.generate_batch(prompts, weights, config, max_tokens, sampling, eos_ids,
-                                      batch_size):
+                                      batch_size, join_rows):
         tokens[i].append(token)
     return tokens
 
@@ -134,6 +134,26 @@ def test_a_joining_prefill_runs_a_layer_per_eval(model, monkeypatch):
     assert len(evaluated) == n  # the three prompts join in one prefill
     assert [[a.shape[:2] for a in arrays] for arrays in evaluated] == [
         [(3, config.num_key_value_heads)] * 2] * n  # a layer's keys and values, 3 rows each
+
+
+def test_at_most_join_rows_prompts_are_prefilled_together(model, monkeypatch):
+    """A prefill's scores grow as rows x longest². So prompts join join_rows at a time (8 by
+    default, as mlx-lm's prefill_batch_size), even with more free rows, and get their tokens."""
+    _, config, weights, prompts = model
+    forward_batch, prefills = li.forward_batch, []
+
+    def recorded(token_ids, weights, config, cache, *args):
+        if cache[0].offset == 0:  # a fresh cache: a prefill
+            prefills.append(token_ids.shape[0])
+        return forward_batch(token_ids, weights, config, cache, *args)
+
+    monkeypatch.setattr(li, "forward_batch", recorded)
+    expected = alone(prompts, weights, config, 4)
+    assert batched(prompts, weights, config, 4, batch_size=8, join_rows=3) == expected
+    assert prefills[:3] == [3, 3, 2]  # 8 prompts, 8 free rows
+    prefills.clear()
+    list(li.generate_batch(prompts * 2, weights, config, 2, batch_size=16))
+    assert prefills[:2] == [8, 8]  # the default
 
 
 def test_quantized_mixture_of_experts_rows_get_their_tokens_alone(tmp_path):

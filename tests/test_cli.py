@@ -648,7 +648,7 @@ def test_prompts_refuse_the_flags_they_do_not_apply_with(capsys):
         assert refused.value.code == 2 and err == (f"llm_inference.py: error: --prompts does not "
                                                    f"apply with {flags[0]} (see --help)\n"), err
     for flags in (["--min-p", "0"], ["--min-p", "0.1", "--temperature", "1"]):
-        assert cli.parse_args(["--prompts", "p.txt", *flags]).batch_size == 8
+        assert cli.parse_args(["--prompts", "p.txt", *flags]).batch_size == 16
 
 
 @pytest.mark.parametrize("data, message", [
