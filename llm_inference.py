@@ -1273,12 +1273,12 @@ def use_speculative(draft, k, min_p=0.0):
                 if token in eos_ids or n_out == max_tokens:
                     return
             x = mx.array(unread + [token])  # 1. draft: read what it has not, then draw
-            proposals, q = [], []  # d1 ... dk (1,) each, and sampled, q at each (vocab,)
+            proposals, q = [], []  # d1 ... dk, (1,) each; if sampling, q at each, (vocab,)
             for _ in range(k):
                 drafted = forward(x, *draft, drafter)  # (vocab,)
                 if sampling.temperature == 0:
                     x = drafted.argmax()[None]  # (1,): q is one-hot, step 3 needs no more
-                else:  # filtered once (top-p sorts the vocabulary): drawn from, tested in step 3
+                else:  # filtered once, as top-p sorts the vocabulary: d is drawn from q, as tested
                     key, pick = mx.random.split(key)
                     q.append(distribution(drafted[None], sampling, min_p)[0])  # (vocab,)
                     x = mx.random.categorical(mx.log(q[-1]), key=pick)[None]  # (1,)
@@ -1314,8 +1314,8 @@ def use_speculative(draft, k, min_p=0.0):
 # --- 23. Many prompts at once: batched decoding and continuous batching (--prompts) -------------
 #
 # The problem. A decode step reads every weight once for one token (section 16), so 50 prompts
-# in turn read them 50 times. B prompts decoded in one pass share one read: a (B, in) product costs
-# little more than (1, in) (docs/performance.md#many-prompts-at-once---prompts: 10.5x at B = 16).
+# in turn read them 50 times. B prompts decoded in one pass share one read and one set of kernels:
+# on an H200, 16 gave 10.5x the tok/s of one (docs/performance.md#many-prompts-at-once---prompts).
 #
 # A static batch. Prompts are padded on the left, so that every row's last prompt token sits in
 # one column (padded on the right, each would end in its own). Each decode step then appends a
@@ -1325,14 +1325,14 @@ def use_speculative(draft, k, min_p=0.0):
 #   row 1   c d e f   pad 0                   query 0  x . . .     query 2  . . x .
 #   row 2   _ g h i   pad 1                   query 1  . x . .     query 3  . . x x
 # RoPE. Column j is at position first + j in all rows (first = 0 at the start): a is at 2, not 0.
-# A score depends only on the query-key gap (section 5): a's match an unpadded run, to rounding.
+# A score depends only on the query-key gap (section 5): row 0's are an unpadded run's, to rounding.
 # Continuous batching. Say row 0 ends after 3 new tokens: 7 columns (4 + 3, the third cached by a
 # step the other rows needed). A waiting prompt of 5 tokens, prefilled alone at positions first + 2
 # ... first + 6, joins as a new last row in columns 2 to 6 (pad 2). One of 9 would need -2 to 6. So
 # every row first gains 2 columns of padding on the left, and first drops by 2: no key's position
 # changes. When rows end, columns that are padding in every row left go, and first grows as much.
-# At most join_rows (8, as in mlx-lm) join in one prefill, as its scores grow as rows x longest².
-# 64 prompts of up to 1,024 tokens in one pass peaked at 1.45x mlx-lm's memory (the same page).
+# At most join_rows (8, as in mlx-lm) join in one prefill: its scores grow as rows x longest², and
+# all 64 prompts of up to 1,024 tokens at once had peaked at 1.45x mlx-lm's memory (same page).
 # Sampling per row. Each row splits its own key from mx.random.key(seed) as generate() does, so a
 # prompt's text is its text alone, greedy or with the same seed (checked: tests/test_batch.py).
 # Shapes, for B = 4 prompts of at most 12 tokens, and Qwen3-0.6B (a layer's KV cache last):
@@ -1366,7 +1366,7 @@ def forward_batch(token_ids, weights, config, cache, pads, first):
                                                  mask=mask[:, None])  # (B, 16, seq, 128)
         x = x + linear(h.swapaxes(1, 2).reshape(rows, seq, -1), layer["o_proj"])  # (B, seq, 1024)
         h = rms_norm(x, layer["post_attention_layernorm"], c.rms_norm_eps)
-        x = x + swiglu(h.reshape(rows * seq, -1), layer).reshape(x.shape)  # (B x seq, 1024) in
+        x = x + swiglu(h.reshape(rows * seq, -1), layer).reshape(x.shape)  # 2-D for mixture() (21)
     return linear(rms_norm(x[:, -1], weights["norm"], c.rms_norm_eps), weights["lm_head"])
 
 
