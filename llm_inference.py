@@ -1320,7 +1320,7 @@ def use_speculative(draft, k, min_p=0.0):
 # A static batch. Prompts are padded on the left, so that every row's last prompt token sits in
 # one column (padded on the right, each would end in its own). Each decode step then appends a
 # column to all rows, and takes every row's next token from the last column's logits.
-# By hand, prompts a b, c d e f and g h i, padded to 4 columns (_). x: the keys a query sees.
+# By hand, a b, c d e f and g h i, padded to 4 columns (_). x: keys a query sees (padding: itself).
 #   row 0   _ _ a b   pad 2        row 0's mask   key: 0 1 2 3
 #   row 1   c d e f   pad 0                   query 0  x . . .     query 2  . . x .
 #   row 2   _ g h i   pad 1                   query 1  . x . .     query 3  . . x x
@@ -1331,8 +1331,8 @@ def use_speculative(draft, k, min_p=0.0):
 # ... first + 6, joins as a new last row in columns 2 to 6 (pad 2). One of 9 would need -2 to 6. So
 # every row first gains 2 columns of padding on the left, and first drops by 2: no key's position
 # changes. When rows end, columns that are padding in every row left go, and first grows as much.
-# At most join_rows (8, as in mlx-lm) join in one prefill: its scores grow as rows x longest², and
-# all 64 prompts of up to 1,024 tokens at once had peaked at 1.45x mlx-lm's memory (same page).
+# At most join_rows (8, as in mlx-lm) join in a prefill, run a layer per mx.eval() for Ctrl-C (14).
+# Scores grow as rows x longest²: 64 prompts of up to 1,024 at once had peaked at 1.45x mlx-lm's.
 # Sampling per row. Each row splits its own key from mx.random.key(seed) as generate() does, so a
 # prompt's text is its text alone, greedy or with the same seed (checked: tests/test_batch.py).
 # Shapes, for B = 4 prompts of at most 12 tokens, and Qwen3-0.6B (a layer's KV cache last):
@@ -1382,9 +1382,9 @@ def shift_cache(cache, rows, by):
 
 def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
                    batch_size=16, join_rows=8):
-    """Yield (i, token_id) for prompts (lists of ids), i a prompt's index, as each step computes
-    them: at most batch_size rows at a time, at most join_rows joining in one prefill. A prompt
-    ends as in generate(): after a token in eos_ids (yielded too), or max_tokens (one or a list)."""
+    """Yield (i, token_id) for prompts (lists of ids), i a prompt's index, as steps compute them: at
+    most batch_size rows at a time, at most join_rows joining in a prefill. A prompt ends as in
+    generate(), after a token in eos_ids (yielded) or max_tokens (one or a list; 0: never joins)."""
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     queue = [i for i in reversed(range(len(prompts))) if limits[i] > 0]  # pop(): prompt 0 first
     rows, pads, keys, counts = [], [], [], []  # per row: prompt index, padding, key, tokens out
