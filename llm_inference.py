@@ -357,21 +357,21 @@ def filter_logits(logits, sampling):
     the order Hugging Face transformers applies them."""
     # float32: bfloat16 keeps 8 significant bits, too few for top-p's running sum of probabilities.
     logits = logits.astype(mx.float32) / sampling.temperature  # < 1 sharpens, > 1 flattens
-    top_k, top_p, n_vocab = sampling.top_k, sampling.top_p, len(logits)
-    if 0 < top_k < n_vocab:
+    top_k, top_p, candidates = sampling.top_k, sampling.top_p, None  # None: every token
+    if 0 < top_k < len(logits):
         candidates = mx.argpartition(-logits, top_k - 1)[:top_k]  # the k largest, unsorted
         # Everything below the k-th largest logit goes. Ties with it stay, as in transformers.
         logits = mx.where(logits >= logits[candidates].min(), logits, -mx.inf)
-    else:
-        candidates = mx.arange(n_vocab)
     if top_p < 1:
         # Walk down from the likeliest token. A token stays if those before it add up to less than
         # top_p, so the one that crosses the threshold stays. Only the top-k candidates are sorted.
-        order = candidates[mx.argsort(-logits[candidates])]  # token ids, likeliest first
-        probs = mx.exp(logits[order] - mx.logsumexp(logits))
+        order = (mx.argsort(-logits) if candidates is None  # token ids, likeliest first
+                 else candidates[mx.argsort(-logits[candidates])])
+        ranked = logits[order]  # their logits
+        probs = mx.exp(ranked - mx.logsumexp(logits))
         kept = mx.cumsum(probs) - probs < top_p  # the mass before each token
         kept[0] = True  # the likeliest always stays, as in transformers (top_p = 0 keeps it alone)
-        bar = mx.where(kept, logits[order], mx.inf).min()  # the least likely token that stays
+        bar = mx.where(kept, ranked, mx.inf).min()  # the least likely token that stays
         logits = mx.where(logits >= bar, logits, -mx.inf)  # (tokens tied with it stay too)
     return logits
 
