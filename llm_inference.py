@@ -370,7 +370,7 @@ def filter_logits(logits, sampling):
         ranked = logits[order]  # their logits
         probs = mx.exp(ranked - mx.logsumexp(logits))  # softmax of what top-k left
         kept = mx.cumsum(probs) - probs < top_p  # the mass before each token
-        kept[0] = True  # the likeliest always stays, as in transformers (top_p = 0: it and its ties)
+        kept[0] = True  # the likeliest stays, as in transformers (top_p = 0: it and its ties)
         bar = mx.where(kept, ranked, mx.inf).min()  # the least likely token that stays
         logits = mx.where(logits >= bar, logits, -mx.inf)  # (tokens tied with it stay too)
     return logits
