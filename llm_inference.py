@@ -1370,14 +1370,20 @@ def forward_batch(token_ids, weights, config, cache, pads, first):
     return linear(rms_norm(x[:, -1], weights["norm"], c.rms_norm_eps), weights["lm_head"])
 
 
-def shift_cache(cache, rows, by):
-    """Keep the cache's `rows` (indices), moved `by` columns right (zeros fill), or left if < 0."""
-    for layer_cache in cache:
+def join_cache(cache, new_cache, grow, shift):
+    """Append new_cache's rows to cache's, written once per layer into zeros: cache's moved `grow`
+    columns right, new_cache's `shift`. With room for 256 more, as update_and_fetch() grows it."""
+    for layer_cache, new in zip(cache, new_cache):
+        end = layer_cache.offset + grow  # = new.offset + shift: the rows end in one column
         for name in ("keys", "values"):
-            kept = getattr(layer_cache, name)[rows, :, max(0, -by) : layer_cache.offset]
-            zeros = mx.zeros((*kept.shape[:2], max(0, by), kept.shape[-1]), kept.dtype)
-            setattr(layer_cache, name, mx.concatenate([zeros, kept], axis=2))
-        layer_cache.offset += by
+            old_rows, new_rows = getattr(layer_cache, name), getattr(new, name)
+            rows, heads, _, head_dim = old_rows.shape
+            both = mx.zeros((rows + len(new_rows), heads, end + KVCache.GROWTH, head_dim),
+                            old_rows.dtype)  # (B, 8, capacity, 128)
+            both[:rows, :, grow:end] = old_rows[..., : layer_cache.offset, :]
+            both[rows:, :, shift:end] = new_rows[..., : new.offset, :]
+            setattr(layer_cache, name, both)
+        layer_cache.offset = end
 
 
 def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
@@ -1398,6 +1404,10 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
         row_keys[:] = [key for key, _ in split]
         return mx.stack([sample(row, sampling, pick) for row, (_, pick) in zip(logits, split)])
 
+    def evaluate(cache):  # a layer per mx.eval(), so Ctrl-C waits for one (as in 14). Also, a GPU
+        for layer_cache in cache:  # frees a kernel's inputs only once its batch of kernels ends:
+            mx.eval(layer_cache.keys, layer_cache.values)  # all layers' old and new copies at once
+
     def join(joining):  # 1. prefill new prompts, padded on the left, and add them as rows
         nonlocal cache, first
         longest = max(len(prompts[i]) for i in joining)
@@ -1407,18 +1417,13 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
         new_cache = make_cache(config)
         new_keys = [mx.random.key(sampling.seed)] * len(joining)  # as generate() starts its key
         logits = forward_batch(ids, weights, config, new_cache, new_pads, first + end - longest)
-        for layer_cache in new_cache:  # a layer per mx.eval(), so Ctrl-C waits for one (as in 14)
-            mx.eval(layer_cache.keys, layer_cache.values)
-        new_tokens = pick(logits, new_keys)
         grow = max(0, longest - end)  # columns of padding the batch gains on the left
-        shift_cache(new_cache, mx.arange(len(joining)), grow + end - longest)
         if rows:
-            shift_cache(cache, mx.arange(len(rows)), grow)
-            for layer_cache, new in zip(cache, new_cache):
-                layer_cache.keys = mx.concatenate([layer_cache.keys, new.keys])
-                layer_cache.values = mx.concatenate([layer_cache.values, new.values])
+            join_cache(cache, new_cache, grow, grow + end - longest)
         else:
             cache = new_cache
+        evaluate(cache)
+        new_tokens = pick(logits, new_keys)
         first -= grow
         pads[:] = [pad + grow for pad in pads] + [pad + grow + end - longest for pad in new_pads]
         for per_row, added in (rows, joining), (keys, new_keys), (counts, [0] * len(joining)):
@@ -1444,7 +1449,11 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
         if ended:  # 4. end: drop their rows, and columns that are padding in every row left
             kept = [row for row in range(len(rows)) if row not in ended]
             trim = min([pads[row] for row in kept], default=0)
-            shift_cache(cache, mx.array(kept, mx.uint32), -trim)
+            for layer_cache in cache:  # one copy, keeping the room after offset (as join_cache)
+                layer_cache.keys = layer_cache.keys[mx.array(kept, mx.uint32), :, trim:]
+                layer_cache.values = layer_cache.values[mx.array(kept, mx.uint32), :, trim:]
+                layer_cache.offset -= trim
+            evaluate(cache)
             first += trim
             for per_row in (rows, pads, keys, counts):
                 per_row[:] = [per_row[row] for row in kept]
