@@ -1331,8 +1331,9 @@ def use_speculative(draft, k, min_p=0.0):
 # ... first + 6, joins as a new last row in columns 2 to 6 (pad 2). One of 9 would need -2 to 6. So
 # every row first gains 2 columns of padding on the left, and first drops by 2: no key's position
 # changes. When rows end, columns that are padding in every row left go, and first grows as much.
-# At most join_rows (8, as in mlx-lm) join in a prefill, run a layer per mx.eval() for Ctrl-C (14).
-# Scores grow as rows x longest²: 64 prompts of up to 1,024 at once had peaked at 1.45x mlx-lm's.
+# Memory. At most join_rows (8, as in mlx-lm) join in a prefill: its scores grow as rows x longest².
+# A join or an end copies the cache, a layer per mx.eval(). A GPU frees a kernel's inputs only once
+# its batch of kernels has run, so copying all layers at once held old and new: 1.46x mlx-lm's peak.
 # Sampling per row. Each row splits its own key from mx.random.key(seed) as generate() does, so a
 # prompt's text is its text alone, greedy or with the same seed (checked: tests/test_batch.py).
 # Shapes, for B = 4 prompts of at most 12 tokens, and Qwen3-0.6B (a layer's KV cache last):
@@ -1376,14 +1377,14 @@ def join_cache(cache, new_cache, grow, shift):
     for layer_cache, new in zip(cache, new_cache):
         end = layer_cache.offset + grow  # = new.offset + shift: the rows end in one column
         for name in ("keys", "values"):
-            old_rows, new_rows = getattr(layer_cache, name), getattr(new, name)
-            rows, heads, _, head_dim = old_rows.shape
-            both = mx.zeros((rows + len(new_rows), heads, end + KVCache.GROWTH, head_dim),
-                            old_rows.dtype)  # (B, 8, capacity, 128)
-            both[:rows, :, grow:end] = old_rows[..., : layer_cache.offset, :]
-            both[rows:, :, shift:end] = new_rows[..., : new.offset, :]
+            above, below = getattr(layer_cache, name), getattr(new, name)
+            rows, heads, _, dim = above.shape  # (B, 8, capacity, 128)
+            both = mx.zeros((rows + len(below), heads, end + KVCache.GROWTH, dim), above.dtype)
+            both[:rows, :, grow:end] = above[..., : layer_cache.offset, :]
+            both[rows:, :, shift:end] = below[..., : new.offset, :]
             setattr(layer_cache, name, both)
         layer_cache.offset = end
+        mx.eval(layer_cache.keys, layer_cache.values)  # a layer at a time (Memory, above)
 
 
 def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eos_ids=(),
@@ -1404,10 +1405,6 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
         row_keys[:] = [key for key, _ in split]
         return mx.stack([sample(row, sampling, pick) for row, (_, pick) in zip(logits, split)])
 
-    def evaluate(cache):  # a layer per mx.eval(), so Ctrl-C waits for one (as in 14). Also, a GPU
-        for layer_cache in cache:  # frees a kernel's inputs only once its batch of kernels ends:
-            mx.eval(layer_cache.keys, layer_cache.values)  # all layers' old and new copies at once
-
     def join(joining):  # 1. prefill new prompts, padded on the left, and add them as rows
         nonlocal cache, first
         longest = max(len(prompts[i]) for i in joining)
@@ -1422,7 +1419,8 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
             join_cache(cache, new_cache, grow, grow + end - longest)
         else:
             cache = new_cache
-        evaluate(cache)
+            for layer_cache in cache:  # a layer per mx.eval(), so Ctrl-C waits for one (as in 14)
+                mx.eval(layer_cache.keys, layer_cache.values)
         new_tokens = pick(logits, new_keys)
         first -= grow
         pads[:] = [pad + grow for pad in pads] + [pad + grow + end - longest for pad in new_pads]
@@ -1449,11 +1447,11 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
         if ended:  # 4. end: drop their rows, and columns that are padding in every row left
             kept = [row for row in range(len(rows)) if row not in ended]
             trim = min([pads[row] for row in kept], default=0)
-            for layer_cache in cache:  # one copy, keeping the room after offset (as join_cache)
+            for layer_cache in cache:  # one copy each, with the room after offset (as join_cache)
                 layer_cache.keys = layer_cache.keys[mx.array(kept, mx.uint32), :, trim:]
                 layer_cache.values = layer_cache.values[mx.array(kept, mx.uint32), :, trim:]
                 layer_cache.offset -= trim
-            evaluate(cache)
+                mx.eval(layer_cache.keys, layer_cache.values)  # a layer at a time (Memory, above)
             first += trim
             for per_row in (rows, pads, keys, counts):
                 per_row[:] = [per_row[row] for row in kept]
