@@ -136,6 +136,33 @@ def test_a_joining_prefill_runs_a_layer_per_eval(model, monkeypatch):
         [(3, config.num_key_value_heads)] * 2] * n  # a layer's keys and values, 3 rows each
 
 
+def test_a_join_or_an_end_copies_the_cache_a_layer_per_eval_and_leaves_room(model, monkeypatch):
+    """A GPU frees a kernel's inputs only once its batch of kernels has run. Copied in one
+    evaluation, every layer's old and new cache lived at once (section 23's Memory). So a join or
+    an end evaluates each layer's copy alone, with room after it: the next step writes in place."""
+    _, config, weights, prompts = model
+    evaluated, evaluate = [], mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *arrays: (evaluated.extend(arrays), evaluate(*arrays)))
+    forward_batch, last, checked = li.forward_batch, {}, []
+
+    def recorded(token_ids, weights, config, cache, *args):
+        decoding = token_ids.shape[1] == 1 and cache[0].offset  # a prefill's cache is empty
+        for i, c in enumerate(cache if decoding else []):
+            if c.keys is not last.get(i):  # a join or an end copied it since the last step
+                checked.append((any(c.keys is a for a in evaluated), c.keys.shape[2] > c.offset))
+        logits = forward_batch(token_ids, weights, config, cache, *args)
+        last.update(enumerate(c.keys for c in cache) if decoding else ())
+        return logits
+
+    monkeypatch.setattr(li, "forward_batch", recorded)
+    eos_ids = set(range(0, config.vocab_size, 8))  # rows end early, and prompts wait to join
+    expected = alone(prompts, weights, config, 12, eos_ids=eos_ids)
+    assert batched(prompts, weights, config, 12, eos_ids=eos_ids, batch_size=3) == expected
+    assert len(checked) >= 4 * config.num_hidden_layers
+    assert all(was_evaluated for was_evaluated, _ in checked)
+    assert all(has_room for _, has_room in checked)
+
+
 def test_at_most_join_rows_prompts_are_prefilled_together(model, monkeypatch):
     """A prefill's scores grow as rows x longest². So prompts join join_rows at a time (8 by
     default, as mlx-lm's prefill_batch_size), even with more free rows, and get their tokens."""
