@@ -581,7 +581,6 @@ def generate_long(prompt_ids, weights, config, max_tokens, sampling=Sampling(), 
     done, total, n_layers = 0, len(prompt_ids), len(cache)
     guess = PREFILL_CHUNK * n_layers if mx.default_device() == mx.gpu else FIRST_GUESS
     pace = layer_tokens.get(id(weights), guess)
-    # generate() runs its tokens through all layers in one mx.eval(): at most pace / n_layers.
     while total > SHORT_PROMPT and total - done > min(max(pace // n_layers, 1), PREFILL_CHUNK):
         size = min(pace, PREFILL_CHUNK, total - done - 1)
         size = 2 ** int(math.log2(size))  # a power of two: at most halving it
@@ -859,11 +858,8 @@ class Chat:
         self.replies += 1
         # Reuse the leading ids that agree with the cached ones, but never the last new id. It is
         # fed again, as its logits give the reply's first token.
-        self.reused = 0
-        for cached, new in zip(self.cached_ids, ids[:-1]):
-            if cached != new:
-                break
-            self.reused += 1
+        agree = [cached == new for cached, new in zip(self.cached_ids, ids[:-1])]
+        self.reused = (agree + [False]).index(False)  # those before the first disagreement
         for layer_cache in self.cache:
             layer_cache.offset = self.reused  # the roll-back
         self.prefilled, reply = len(ids) - self.reused, []
@@ -1037,8 +1033,7 @@ def use_tensor_parallelism(group):
 
     summed = lambda function: lambda *args: mx.distributed.all_sum(function(*args), group=group)
     # Each all_sum must meet arrays of one shape in every process, or it sums wrong or loses the
-    # connection. So all cut a prompt alike, by process 0's measure: process 0 hands in its
-    # measure, the others 0, and the sum that all get is process 0's.
+    # connection. So all cut a prompt alike, by process 0's measure: the others hand in 0.
     pace = tokens_per_layer  # section 14's: each process times its pieces on its own clock
     first = lambda *args: mx.distributed.all_sum(pace(*args) if rank == 0 else 0,
                                                  group=group).item()
@@ -1082,9 +1077,8 @@ def use_tensor_parallelism(group):
 # table). The page linked above writes a small random mixture in one line, for bench.py.
 #
 # It replaces layer_shapes (a block gains the router), load_tensor (it stacks a block's experts)
-# and swiglu, for a qwen3_moe model only. A dense block still runs Part 1's swiglu.
-# tests/test_moe.py checks the logits against transformers and mlx-lm, and the mixture, sorted or
-# not, against a loop over each token's experts.
+# and swiglu, for a qwen3_moe model only. tests/test_moe.py checks the logits against transformers
+# and mlx-lm, and the mixture, sorted or not, against a loop over each token's experts.
 
 MOE_FIELDS = {  # config.json's fields for experts (Qwen3-30B-A3B's values)
     "num_experts": int,  # 128 experts in a block ...
@@ -1203,9 +1197,8 @@ def use_experts(config, bits=None):
 # With 3 words, p = (0.5, 0.3, 0.2) and q = (0.3, 0.2, 0.5): min(p, q) = (0.3, 0.2, 0.2) passes,
 # 0.7 in all. The 0.3 rejected draws from max(0, p − q) = (0.2, 0.1, 0), normalised (2/3, 1/3, 0).
 # P = (0.3 + 0.3 · 2/3, 0.2 + 0.3 · 1/3, 0.2 + 0) = (0.5, 0.3, 0.2) = p.
-# p and q must be the filtered distributions, the ones sample() draws from (filter_logits, min-p).
 # The proof needs q to be what the draft truly drew from, and p what the target's own draw would
-# use. Raw softmaxes would bring back the tokens that top-k and top-p removed.
+# use: filtered (filter_logits, min-p). Raw softmaxes would bring back what top-k and top-p removed.
 # A rejection at d_i ends the round: the later proposals and p were computed after d_i, now not in
 # the text. So each token out follows p given the tokens truly before it, as in the target's run.
 # Greedy, a proposal passes if it is the target's argmax, else that argmax replaces it. The text
