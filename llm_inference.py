@@ -1323,10 +1323,10 @@ def use_speculative(draft, k, min_p=0.0):
 # step the other rows needed). A waiting prompt of 5 tokens, prefilled alone at positions first + 2
 # ... first + 6, joins as a new last row in columns 2 to 6 (pad 2). One of 9 would need -2 to 6. So
 # every row first gains 2 columns of padding on the left, and first drops by 2: no key's position
-# changes. When rows end, columns that are padding in every row left go, and first grows as much.
-# Memory. At most join_rows (8, as in mlx-lm) join in a prefill: its scores grow as rows x longest².
-# A join or an end copies the cache, a layer per mx.eval(). A GPU frees a kernel's inputs only once
-# its batch of kernels has run, so copying all layers at once held old and new: 1.46x mlx-lm's peak.
+# changes. When rows end, columns of padding in every remaining row go, and first grows as much.
+# Memory. At most join_rows (8, as in mlx-lm) join in a prefill: its mask grows as rows x longest².
+# A join into rows, or an end, copies the cache a layer per mx.eval(): on a GPU, MLX frees inputs
+# only after their batch of kernels has run, and all layers at once had peaked at 1.46x mlx-lm's.
 # Sampling per row. Each row splits its own key from mx.random.key(seed) as generate() does, so a
 # prompt's text is its text alone, greedy or with the same seed (checked: tests/test_batch.py).
 # Shapes, for B = 4 prompts of at most 12 tokens, and Qwen3-0.6B (a layer's KV cache last):
@@ -1366,9 +1366,9 @@ def forward_batch(token_ids, weights, config, cache, pads, first):
 
 def join_cache(cache, new_cache, grow, shift):
     """Append new_cache's rows to cache's, written once per layer into zeros: cache's moved `grow`
-    columns right, new_cache's `shift`. With room for 256 more, as update_and_fetch() grows it."""
+    columns right, new_cache's `shift`. Then GROWTH (256) free columns, which the next steps fill."""
     for layer_cache, new in zip(cache, new_cache):
-        end = layer_cache.offset + grow  # = new.offset + shift: the rows end in one column
+        end = layer_cache.offset + grow  # = new.offset + shift: all rows end at column end - 1
         for name in ("keys", "values"):
             above, below = getattr(layer_cache, name), getattr(new, name)
             rows, heads, _, dim = above.shape  # (B, 8, capacity, 128)
@@ -1437,10 +1437,10 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
             if token_id in eos_ids or counts[row] == limits[rows[row]]:
                 ended.add(row)
         tokens = following
-        if ended:  # 4. end: drop their rows, and columns that are padding in every row left
+        if ended:  # 4. end: drop their rows, and columns that are padding in every remaining row
             kept = [row for row in range(len(rows)) if row not in ended]
             trim = min([pads[row] for row in kept], default=0)
-            for layer_cache in cache:  # one copy each, with the room after offset (as join_cache)
+            for layer_cache in cache:  # one copy a layer, keeping its free room after offset
                 layer_cache.keys = layer_cache.keys[mx.array(kept, mx.uint32), :, trim:]
                 layer_cache.values = layer_cache.values[mx.array(kept, mx.uint32), :, trim:]
                 layer_cache.offset -= trim
