@@ -1366,7 +1366,7 @@ def forward_batch(token_ids, weights, config, cache, pads, first):
 
 def join_cache(cache, new_cache, grow, shift):
     """Append new_cache's rows to cache's, written once per layer into zeros: cache's moved `grow`
-    columns right, new_cache's `shift`. Then GROWTH (256) free columns, which the next steps fill."""
+    columns right, new_cache's `shift`. Then GROWTH (256) free columns for the next steps."""
     for layer_cache, new in zip(cache, new_cache):
         end = layer_cache.offset + grow  # = new.offset + shift: all rows end at column end - 1
         for name in ("keys", "values"):
