@@ -493,10 +493,9 @@ def fused_rope(x, offset, theta):
 
 
 def fused_attend(q, k, v):
-    """attend() in one kernel. mx.fast.scaled_dot_product_attention computes softmax(q kᵀ * scale)
-    v for q (1, 16, seq, 128) and k, v (1, 8, total, 128), a K/V head serving its group of query
-    heads. mask="causal" lets query i see keys up to total - seq + i, so the last query sees the
-    last key, as in attend(). mask=None lets each query see every key: the same for a new token."""
+    """attend() in one kernel: mx.fast.scaled_dot_product_attention, softmax(q kᵀ * scale) v, with
+    attend()'s shapes and grouped heads. mask="causal" lets query i see keys up to total - seq + i,
+    as attend() does. mask=None lets each query see every key: the same for one new token."""
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(q.shape[-1]),
                                                 mask="causal" if q.shape[2] > 1 else None)
 
@@ -1440,16 +1439,17 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
         if ended:  # 4. end: drop their rows, and columns that are padding in every remaining row
             kept = [row for row in range(len(rows)) if row not in ended]
             trim = min([pads[row] for row in kept], default=0)
+            index = mx.array(kept, mx.uint32)
             for layer_cache in cache:  # one copy a layer, keeping its free room after offset
-                layer_cache.keys = layer_cache.keys[mx.array(kept, mx.uint32), :, trim:]
-                layer_cache.values = layer_cache.values[mx.array(kept, mx.uint32), :, trim:]
+                layer_cache.keys = layer_cache.keys[index, :, trim:]
+                layer_cache.values = layer_cache.values[index, :, trim:]
                 layer_cache.offset -= trim
                 mx.eval(layer_cache.keys, layer_cache.values)  # a layer at a time (Memory, above)
             first += trim
             for per_row in (rows, pads, keys, counts):
                 per_row[:] = [per_row[row] for row in kept]
             pads[:] = [pad - trim for pad in pads]
-            tokens = following[mx.array(kept, mx.uint32)] if kept else no_tokens
+            tokens = following[index] if kept else no_tokens
 
 
 # ================================================================================================
