@@ -785,12 +785,12 @@ def use_extra_sampling(min_p, presence_penalty, vocab_size):
 #   <|im_start|>user\n{new message}<|im_end|>\n
 #   <|im_start|>assistant\n                       (+ <think>\n\n</think>\n\n for no thinking)
 #
-# Prefilled whole, turn 3 of a chat with 48-token replies is 166 tokens. Keeping the cache, it is
-# 20 (docs/performance.md#chat-turns-what-keeping-the-cache-saves). So Chat keeps one cache. Each
-# turn, it reuses the longest prefix that the cached ids share with the new rendering. Setting
-# each layer's `offset` back to its end rolls the rest back: attention reads only up to `offset`,
-# and the next tokens overwrite what lies after it. Only a prefix can be kept, as a token's keys
-# and values depend on its position (RoPE) and on every token before it.
+# Prefilled whole, turn 3 of a chat (a system prompt, one-line questions, 48-token replies) is 166
+# tokens. Keeping the cache, it is 20 (docs/performance.md#chat-turns-what-keeping-the-cache-saves).
+# So Chat keeps one cache. Each turn, it reuses the longest prefix that the cached ids share with
+# the new rendering. Setting each layer's `offset` back to its end rolls the rest back: attention
+# reads only up to `offset`, and the next tokens overwrite what lies after it. Only a prefix can be
+# kept, as a token's keys and values depend on its position (RoPE) and on every token before it.
 #
 # The template rewrites history, and so sets how much is reused. Once a new message follows, a
 # reply that wrote </think> is rendered as what follows its last </think>, less leading newlines.
@@ -1172,8 +1172,8 @@ def use_experts(config, bits=None):
 # --- 22. Speculative decoding: a small model drafts, the large one checks (--draft-model) --------
 #
 # The problem. Where reading the weights limits decoding (section 16), generate() reads all of them
-# for each token. Yet a pass over a few positions costs far less than that many passes over one
-# (docs/performance.md#speculative-decoding---draft-model).
+# for each token. Yet one pass over 5 positions costs far less than 5 passes: 5.03 ms, not 5 × 3.61,
+# for 12 of Qwen3-8B's layers on an H100 (docs/performance.md#speculative-decoding---draft-model).
 #
 # The idea (Leviathan et al. 2023; Chen et al. 2023). A small draft model with the same tokenizer
 # (Qwen3-0.6B for Qwen3-8B) proposes k tokens. The target checks them all in one pass, keeps some,
@@ -1210,7 +1210,7 @@ def use_experts(config, bits=None):
 # line counts the proposals accepted and the tokens per pass of the target.
 # It replaces make_cache (section 6) and generate_long (section 14), whose prefill it reuses.
 # tests/test_speculative.py checks it: greedy, the target's tokens; sampled, p (though a seed draws
-# other tokens than without a draft). Rejected proposals leave no cached trace.
+# other tokens than without a draft). After rejections, both caches hold what a plain run's would.
 
 def distribution(logits, sampling, min_p=0.0):
     """What sample() draws from, per row (rows, vocab), no presence penalty (cli.py refuses one)."""
