@@ -179,15 +179,15 @@ def rms_norm(x, weight, eps):
 # --- 5. RoPE: encode a token's position by rotating pairs of its query/key channels ---------------
 
 def apply_rope(x, offset, theta):
-    """Rotate x (..., seq, head_dim), whose first position is the absolute position `offset`.
-    Channel i is paired with channel i + head_dim/2 (Hugging Face's "rotate_half" layout), and
-    pair i turns by the angle position * theta^(-2i/head_dim).
+    """Rotate x (..., seq, head_dim), whose first position is `offset`: a number, or one per row of
+    a batch x (B, heads, seq, head_dim). Channel i is paired with channel i + head_dim/2 (Hugging
+    Face's "rotate_half" layout), and pair i turns by the angle position * theta^(-2i/head_dim).
     Fast-turning pairs tell nearby tokens apart, slow ones distant tokens. Rotations compose, so the
     dot product of a rotated query and key depends on their positions only through their gap."""
     head_dim = x.shape[-1]
     inv_freq = theta ** (-mx.arange(0, head_dim, 2, dtype=mx.float32) / head_dim)  # (64,)
-    positions = (offset + mx.arange(x.shape[-2])).astype(mx.float32)  # (seq,)
-    angles = positions[:, None] * inv_freq[None, :]  # (seq, 64)
+    positions = (mx.array(offset)[..., None, None] + mx.arange(x.shape[-2])).astype(mx.float32)
+    angles = positions[..., None] * inv_freq  # (1, seq, 64), or (B, 1, seq, 64): one per row
     cos, sin = mx.cos(angles).astype(x.dtype), mx.sin(angles).astype(x.dtype)
     x1, x2 = x[..., : head_dim // 2], x[..., head_dim // 2 :]
     return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -1316,13 +1316,15 @@ def use_speculative(draft, k, min_p=0.0):
 #   row 0   _ _ a b   pad 2        row 0's mask   key: 0 1 2 3
 #   row 1   c d e f   pad 0                   query 0  x . . .     query 2  . . x .
 #   row 2   _ g h i   pad 1                   query 1  . x . .     query 3  . . x x
-# RoPE. Column j is at position first + j in all rows (first = 0 at the start): a is at 2, not 0.
-# A score depends only on the query-key gap (section 5): row 0's are an unpadded run's, to rounding.
+# RoPE. Each row's tokens keep the positions they have alone: column j of row b is at j - pad[b],
+# so a is at 0. mx.fast.rope and apply_rope take one offset per row. Position j in every row would
+# give the same scores too, as a score depends only on the query-key gap (section 5), but only to
+# rounding: 1 of 16 prompts of the 0.6B shape then changed a greedy token (docs/performance.md).
 # Continuous batching. Say row 0 ends after 3 new tokens: 7 columns (4 + 3, the third cached by a
-# step the other rows needed). A waiting prompt of 5 tokens, prefilled alone at positions first + 2
-# ... first + 6, joins as a new last row in columns 2 to 6 (pad 2). One of 9 would need -2 to 6. So
-# every row first gains 2 columns of padding on the left, and first drops by 2: no key's position
-# changes. When rows end, columns of padding in every remaining row go, and first grows as much.
+# step the other rows needed). A waiting prompt of 5 tokens, prefilled alone, joins as a new last
+# row in columns 2 to 6 (pad 2). One of 9 would need columns -2 to 6. So every row first gains 2
+# columns of padding on the left. Keys were rotated when cached: moving them changes nothing.
+# When rows end, columns of padding in every remaining row go.
 # Memory. At most join_rows (8, as in mlx-lm) join in a prefill: its mask grows as rows x longest².
 # A join into rows, or an end, copies the cache a layer per mx.eval(): on a GPU, MLX frees inputs
 # only after their batch of kernels has run, and all layers at once had peaked at 1.46x mlx-lm's.
@@ -1338,13 +1340,13 @@ def use_speculative(draft, k, min_p=0.0):
 # Try it: python llm_inference.py --prompts prompts.txt --batch-size 16. It replaces nothing:
 # main() calls it for --prompts. Attention is mx.fast's, even with --reference-ops.
 
-def forward_batch(token_ids, weights, config, cache, pads, first):
-    """forward() for rows: token_ids (B, seq) continue `cache`, whose column 0 is at RoPE position
-    `first` and row b padding before column pads[b]. -> each row's next logits (B, vocab). A key
-    is hidden where the boolean mask, broadcast to (B, 16, seq, total), is false (section 12)."""
+def forward_batch(token_ids, weights, config, cache, pads):
+    """forward() for rows: token_ids (B, seq) continue `cache`, row b padded before column pads[b].
+    -> (B, vocab) logits. A boolean mask, broadcast to (B, 16, seq, total), hides a key if false."""
     c = config
     rows, seq = token_ids.shape
     columns = mx.arange(cache[0].offset + seq)  # (total,): these seq tokens are the last
+    positions = cache[0].offset - mx.array(pads)  # (B,): RoPE's offset, one per row
     # A query sees from its row's first token to itself. A padding query sees itself alone, so no
     # softmax row is all -inf (which a kernel might turn into NaN).
     start = mx.minimum(mx.array(pads)[:, None], columns[None, -seq:])  # (B, seq)
@@ -1352,8 +1354,8 @@ def forward_batch(token_ids, weights, config, cache, pads, first):
     x = embed(token_ids, weights["embed_tokens"])  # (B, seq, 1024)
     for layer, layer_cache in zip(weights["layers"], cache):  # transformer_block(), for rows
         h = rms_norm(x, layer["input_layernorm"], c.rms_norm_eps)
-        # Part 1's, with B rows: q (B, 16, seq, 128), k and v (B, 8, seq, 128). Column 0 at first.
-        q, k, v = queries_keys_values(h, layer, c, first + layer_cache.offset)
+        # Part 1's, with B rows: q (B, 16, seq, 128), k and v (B, 8, seq, 128).
+        q, k, v = queries_keys_values(h, layer, c, positions)
         k, v = layer_cache.update_and_fetch(k, v)  # (B, 8, total, 128)
         h = mx.fast.scaled_dot_product_attention(q, k, v, scale=1 / math.sqrt(c.head_dim),
                                                  mask=mask[:, None])  # (B, 16, seq, 128)
@@ -1387,7 +1389,7 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     queue = [i for i in reversed(range(len(prompts))) if limits[i] > 0]  # pop(): prompt 0 first
     rows, pads, keys, counts = [], [], [], []  # per row: prompt index, padding, key, tokens out
-    cache, first = make_cache(config), 0  # first: the RoPE position of column 0
+    cache = make_cache(config)
     tokens = no_tokens = mx.zeros((0,), mx.uint32)  # each row's next token, not yet cached
 
     def pick(logits, row_keys):  # (B, vocab) -> (B,), splitting each row's key as generate() does
@@ -1398,14 +1400,14 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
         return mx.stack([sample(row, sampling, pick) for row, (_, pick) in zip(logits, split)])
 
     def join(joining):  # 1. prefill new prompts, padded on the left, and add them as rows
-        nonlocal cache, first
+        nonlocal cache
         longest = max(len(prompts[i]) for i in joining)
         new_pads = [longest - len(prompts[i]) for i in joining]
         ids = mx.array([[0] * pad + prompts[i] for pad, i in zip(new_pads, joining)])
         end = cache[0].offset if rows else longest  # column end takes every row's next token
         new_cache = make_cache(config)
         new_keys = [mx.random.key(sampling.seed)] * len(joining)  # as generate() starts its key
-        logits = forward_batch(ids, weights, config, new_cache, new_pads, first + end - longest)
+        logits = forward_batch(ids, weights, config, new_cache, new_pads)
         grow = max(0, longest - end)  # columns of padding the batch gains on the left
         if rows:
             join_cache(cache, new_cache, grow, grow + end - longest)
@@ -1414,7 +1416,6 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
             for layer_cache in cache:  # a layer per mx.eval(), so Ctrl-C waits for one (as in 14)
                 mx.eval(layer_cache.keys, layer_cache.values)
         new_tokens = pick(logits, new_keys)
-        first -= grow
         pads[:] = [pad + grow for pad in pads] + [pad + grow + end - longest for pad in new_pads]
         for per_row, added in (rows, joining), (keys, new_keys), (counts, [0] * len(joining)):
             per_row.extend(added)
@@ -1426,7 +1427,7 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
             tokens = mx.concatenate([tokens, join(joining)])
         following = no_tokens  # 2. decode, on tokens not yet computed, unless max_tokens ends all
         if any(count + 1 < limits[i] for i, count in zip(rows, counts)):
-            logits = forward_batch(tokens[:, None], weights, config, cache, pads, first)
+            logits = forward_batch(tokens[:, None], weights, config, cache, pads)
             following = pick(logits, keys)  # (B,)
             mx.async_eval(following)
         ended = set()
@@ -1445,7 +1446,6 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
                 layer_cache.values = layer_cache.values[index, :, trim:]
                 layer_cache.offset -= trim
                 mx.eval(layer_cache.keys, layer_cache.values)  # a layer at a time (Memory, above)
-            first += trim
             for per_row in (rows, pads, keys, counts):
                 per_row[:] = [per_row[row] for row in kept]
             pads[:] = [pad - trim for pad in pads]

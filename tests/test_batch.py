@@ -101,7 +101,7 @@ def test_a_rows_logits_do_not_change_when_another_rows_prompt_does(model):
         longest = len(other)
         ids = mx.array([[0] * (longest - len(row)) + row, other])
         logits = li.forward_batch(ids, weights, config, li.make_cache(config),
-                                  [longest - len(row), 0], 0)
+                                  [longest - len(row), 0])
         assert mx.allclose(logits[0], single, atol=1e-5).item()
 
 
@@ -110,9 +110,9 @@ def test_no_column_is_padding_in_every_row(model, monkeypatch):
     _, config, weights, prompts = model
     forward_batch, calls = li.forward_batch, []
 
-    def recorded(token_ids, weights, config, cache, pads, first):
+    def recorded(token_ids, weights, config, cache, pads):
         calls.append(list(pads))  # pads is a list that generate_batch changes later
-        return forward_batch(token_ids, weights, config, cache, pads, first)
+        return forward_batch(token_ids, weights, config, cache, pads)
 
     monkeypatch.setattr(li, "forward_batch", recorded)
     assert list(itertools.islice(li.generate_batch(prompts, weights, config, 0), 1)) == []
@@ -194,3 +194,32 @@ def test_quantized_mixture_of_experts_rows_get_their_tokens_alone(tmp_path):
     prompts = [[5, 17, 300], [9] * 7, [1000, 2]]
     expected = alone(prompts, weights, config, 6)
     assert batched(prompts, weights, config, 6, batch_size=2) == expected
+
+
+def test_each_row_caches_its_keys_alone_at_its_own_positions(model, monkeypatch):
+    """A row's tokens keep the positions they have alone, through joins and ends (section 23's
+    RoPE), so its cached keys are its keys alone. Shifted by the padding, the scores match only
+    to rounding, and a near-tie flipped a greedy token (docs/performance.md, the CPU's table)."""
+    _, config, weights, prompts = model
+    eos_ids = set(range(0, config.vocab_size, 8))  # rows end early, and prompts wait to join
+    expected = alone(prompts, weights, config, 12, eos_ids=eos_ids)
+    forward_batch, checked = li.forward_batch, []
+
+    def keys_alone(ids):  # layer 0's keys for ids, run alone from position 0: (8, len(ids), 128)
+        cache = li.make_cache(config)
+        li.forward(mx.array(ids), weights, config, cache)
+        return cache[0].keys[0, :, : len(ids)]
+
+    firsts = [keys_alone(p[:1])[:, 0] for p in prompts]  # tells which prompt a row holds
+
+    def recorded(token_ids, weights, config, cache, pads):
+        for row, pad in enumerate(pads if cache[0].offset else []):  # a decode step
+            held = cache[0].keys[row, :, pad : cache[0].offset]  # (8, tokens, 128)
+            match = [i for i, k in enumerate(firsts) if mx.allclose(held[:, 0], k, atol=1e-5)]
+            ids = [(prompts[i] + expected[i])[: held.shape[1]] for i in match[:1]]
+            checked.append(ids != [] and mx.allclose(held, keys_alone(ids[0]), atol=1e-5).item())
+        return forward_batch(token_ids, weights, config, cache, pads)
+
+    monkeypatch.setattr(li, "forward_batch", recorded)
+    assert batched(prompts, weights, config, 12, eos_ids=eos_ids, batch_size=3) == expected
+    assert len(checked) > 2 * len(prompts) and all(checked)
