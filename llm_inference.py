@@ -1316,15 +1316,15 @@ def use_speculative(draft, k, min_p=0.0):
 #   row 0   _ _ a b   pad 2        row 0's mask   key: 0 1 2 3
 #   row 1   c d e f   pad 0                   query 0  x . . .     query 2  . . x .
 #   row 2   _ g h i   pad 1                   query 1  . x . .     query 3  . . x x
-# RoPE. Each row's tokens keep the positions they have alone: column j of row b is at j - pad[b],
-# so a is at 0. mx.fast.rope and apply_rope take one offset per row. Position j in every row would
-# give the same scores too, as a score depends only on the query-key gap (section 5), but only to
-# rounding: 1 of 16 prompts of the 0.6B shape then changed a greedy token (docs/performance.md).
+# RoPE. Each row's tokens keep the positions they have alone: column j of row b is at j - pad[b], so
+# a is at 0. RoPE (mx.fast.rope, apply_rope) takes one such offset per row. Position j in every row
+# would give the same scores too, as a score depends only on the query-key gap (section 5), but only
+# to rounding: 1 of 16 prompts of the 0.6B shape then changed a greedy token (docs/performance.md).
 # Continuous batching. Say row 0 ends after 3 new tokens: 7 columns (4 + 3, the third cached by a
-# step the other rows needed). A waiting prompt of 5 tokens, prefilled alone, joins as a new last
-# row in columns 2 to 6 (pad 2). One of 9 would need columns -2 to 6. So every row first gains 2
-# columns of padding on the left. Keys were rotated when cached: moving them changes nothing.
-# When rows end, columns of padding in every remaining row go.
+# step the other rows needed). A waiting prompt of 5 tokens, prefilled in a cache of its own, joins
+# as a new last row in columns 2 to 6 (pad 2). One of 9 would need columns -2 to 6. So every row
+# first gains 2 columns of padding on the left, and its pad grows by 2: no position changes. When
+# rows end, columns that are padding in every remaining row go, and each pad drops as much.
 # Memory. At most join_rows (8, as in mlx-lm) join in a prefill: its mask grows as rows x longest².
 # A join into rows, or an end, copies the cache a layer per mx.eval(): on a GPU, MLX frees inputs
 # only after their batch of kernels has run, and all layers at once had peaked at 1.46x mlx-lm's.
