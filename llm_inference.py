@@ -1307,7 +1307,7 @@ def use_speculative(draft, k, min_p=0.0):
 #
 # The problem. A decode step reads every weight once for one token (section 16), so 50 prompts
 # in turn read them 50 times. B prompts decoded in one pass share one read and one set of kernels:
-# on an H200, 16 gave 10.5x the tok/s of one (docs/performance.md#many-prompts-at-once---prompts).
+# on an H100, 16 gave 9.3x the tok/s of one (docs/performance.md#many-prompts-at-once---prompts).
 #
 # A static batch. Prompts are padded on the left, so that every row's last prompt token sits in
 # one column (padded on the right, each would end in its own). Each decode step then appends a
