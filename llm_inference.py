@@ -1320,8 +1320,8 @@ def use_speculative(draft, k, min_p=0.0):
 # a is at 0. RoPE (mx.fast.rope, apply_rope) takes one such offset per row. Position j in every row
 # would give the same scores too, as a score depends only on the query-key gap (section 5), but only
 # to rounding: 1 of 16 prompts of the 0.6B shape then changed a greedy token (docs/performance.md).
-# Continuous batching. Say row 0 ends after 3 new tokens: 7 columns (4 + 3, the third cached by a
-# step the other rows needed). A waiting prompt of 5 tokens, prefilled in a cache of its own, joins
+# Continuous batching. Say row 0 ends after 3 new tokens: 7 columns (4 + 3: the step that yields
+# the third also caches it). A waiting prompt of 5 tokens, prefilled in a cache of its own, joins
 # as a new last row in columns 2 to 6 (pad 2). One of 9 would need columns -2 to 6. So every row
 # first gains 2 columns of padding on the left, and its pad grows by 2: no position changes. When
 # rows end, columns that are padding in every remaining row go, and each pad drops as much.
@@ -1429,7 +1429,7 @@ def generate_batch(prompts, weights, config, max_tokens, sampling=Sampling(), eo
         if any(count + 1 < limits[i] for i, count in zip(rows, counts)):
             logits = forward_batch(tokens[:, None], weights, config, cache, pads)
             following = pick(logits, keys)  # (B,)
-            mx.async_eval(following)
+            mx.async_eval(following)  # runs while step 3 yields, before it shows which rows end
         ended = set()
         for row, token_id in enumerate(tokens.tolist()):  # 3. yield: waits for the tokens
             yield rows[row], token_id
